@@ -1,0 +1,280 @@
+"""Paged decode attention: one query token per sequence, split-K over its context (flash-decoding).
+
+Stage 1, grid ``(num_seqs, num_kv_heads, num_splits)``: a program owns one sequence, one KV head
+and one contiguous slice of the context. All ``GROUP = num_heads // num_kv_heads`` query heads
+that share the KV head are processed together as the rows of a ``[BLOCK_H, BLOCK_D]`` tile
+(GQA grouping; ``BLOCK_H >= 16`` so ``tl.dot`` is legal on GPUs, padded rows are masked). The
+program walks its slice in tiles of ``BLOCK_N`` tokens; every token finds its physical slot
+through the block table, so a tile may span several cache blocks (any power-of-two block size)
+and one block may span several tiles. An online softmax in base 2 keeps a running max ``m``,
+sum ``l`` and accumulator; the program writes ``acc / l`` and ``lse = m + log2(l)``.
+
+    context of sequence b:  |--- split 0 ---|--- split 1 ---| ... |-- split S-1 --|
+    split length:           ceil(ceil(seq_len / S) / BLOCK_N) * BLOCK_N   (late splits may be empty)
+
+Stage 2, grid ``(num_seqs, num_heads)``: merges the splits of one head by their log-sum-exp.
+An empty split stores ``lse = -inf`` and a zero partial output, so its weight is exactly 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_MAX_SPLITS = 64
+_MIN_TOKENS_PER_SPLIT = 256
+_TARGET_PROGRAMS = 1024
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    sm_scale_log2,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lt,
+    stride_lh,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_h
+    mask_h = offs_h < GROUP
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    ).to(DOT_DTYPE)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        pos = tile_start + offs_n
+        mask_n = pos < end
+        block = tl.load(
+            block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=mask_n, other=0
+        )
+        slot_off = (
+            block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        )
+        kv_offs = slot_off[:, None] + offs_d[None, :]
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2  # [BLOCK_H, BLOCK_N]
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
+        m_i = m_new
+
+    nonempty = l_i > 0.0
+    l_safe = tl.where(nonempty, l_i, 1.0)
+    lse = tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf"))
+    tl.store(
+        part_out_ptr
+        + seq * stride_pt
+        + heads[:, None] * stride_ph
+        + split * stride_ps
+        + offs_d[None, :],
+        acc / l_safe[:, None],
+        mask=mask_h[:, None] & mask_d[None, :],
+    )
+    tl.store(part_lse_ptr + seq * stride_lt + heads * stride_lh + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    num_splits,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lt,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < num_splits
+    mask_d = offs_d < HEAD_DIM
+    lse = tl.load(
+        part_lse_ptr + seq * stride_lt + head * stride_lh + offs_s, mask=mask_s, other=float("-inf")
+    )
+    weight = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 is never empty, so the max is finite
+    parts = tl.load(
+        part_out_ptr
+        + seq * stride_pt
+        + head * stride_ph
+        + offs_s[:, None] * stride_ps
+        + offs_d[None, :],
+        mask=mask_s[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    out = tl.sum(weight[:, None] * parts, axis=0) / tl.sum(weight, axis=0)
+    tl.store(
+        out_ptr + seq * stride_ot + head * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask_d,
+    )
+
+
+def dot_operands(dtype: torch.dtype, device: torch.device) -> tuple[tl.dtype, str]:
+    """Operand dtype and ``input_precision`` of the kernels' ``tl.dot`` calls.
+
+    On GPUs the cache dtype feeds the tensor cores directly, fp32 in exact ("ieee") mode. Triton's
+    interpreter computes a bf16 ``tl.dot`` on the raw 16-bit patterns (wrong results), so on CPU
+    the operands are upcast to fp32.
+    """
+    if device.type == "cpu" or dtype == torch.float32:
+        return tl.float32, "ieee"
+    return (tl.bfloat16 if dtype == torch.bfloat16 else tl.float16), "tf32"
+
+
+def default_num_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device
+) -> int:
+    """Splits per sequence: enough programs to fill a GPU, each split at least a few hundred tokens.
+
+    On CPU (Triton's interpreter) every program costs Python time, so at most 2 splits.
+    """
+    if device.type == "cpu":
+        return 1 if max_seq_len <= 64 else 2
+    by_length = triton.cdiv(max_seq_len, _MIN_TOKENS_PER_SPLIT)
+    by_occupancy = triton.cdiv(_TARGET_PROGRAMS, num_seqs * num_kv_heads)
+    return triton.next_power_of_2(max(1, min(by_length, by_occupancy, _MAX_SPLITS)))
+
+
+def decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    max_seq_len: int,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context; writes and returns ``out``.
+
+    ``query``/``out``: ``[num_seqs, num_heads, head_dim]`` (token and head strides free, last dim
+    contiguous); ``k_cache``/``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``;
+    ``block_tables``: ``[num_seqs, max_blocks]`` int32; ``seq_lens``: ``[num_seqs]`` (each >= 1,
+    the query's own token included). ``max_seq_len`` (a host int, an upper bound is fine) only
+    sizes the split count; ``num_splits``/``block_n``/``num_warps`` override the tuned defaults.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    on_cpu = query.device.type == "cpu"
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
+    if block_n is None:
+        block_n = 32 if on_cpu else (64 if max_seq_len <= 4096 else 128)
+    if num_warps is None:
+        num_warps = 4
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    part_out = torch.empty(
+        (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+    )
+    part_lse = torch.empty(
+        (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
+    )
+    dot_dtype, precision = dot_operands(k_cache.dtype, query.device)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        part_out,
+        part_lse,
+        scale * _LOG2E,
+        num_splits,
+        query.stride(0),
+        query.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        GROUP=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        DOT_DTYPE=dot_dtype,
+        PRECISION=precision,
+        num_warps=num_warps,
+        num_stages=2,
+    )
+    _decode_merge_kernel[(num_seqs, num_heads)](
+        part_out,
+        part_lse,
+        out,
+        num_splits,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        num_warps=4,
+    )
+    return out

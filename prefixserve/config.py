@@ -1,0 +1,98 @@
+"""Engine configuration: one validated dataclass built from ``LLM(...)`` / CLI options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prefixserve.errors import InvalidArgumentError
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_BACKENDS = ("auto", "torch", "triton")
+_POLICIES = ("fcfs", "prefix")
+DEFAULT_CPU_KV_CACHE_GB = 1.0
+
+
+def _require(cond: bool, param: str, message: str) -> None:
+    if not cond:
+        raise InvalidArgumentError(f"{param}: {message}", param=param)
+
+
+@dataclass
+class EngineConfig:
+    """Options of the engine. ``model=None`` selects the built-in ``prefixserve/tiny-random``.
+
+    KV budget: ``num_kv_blocks`` when given, else ``kv_cache_memory_gb`` (default: 1 GiB on CPU,
+    90% of free memory after loading the model on CUDA). ``max_model_len`` defaults to the model's
+    ``max_position_embeddings``. ``max_num_batched_tokens`` is the per-step token budget that
+    prefill chunks and decode tokens share.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    block_size: int = 16
+    max_model_len: int | None = None
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    attention_backend: str = "auto"
+    revision: str | None = None
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        _require(
+            isinstance(bs, int) and bs >= 1 and bs & (bs - 1) == 0,
+            "block_size",
+            f"must be a power of two, got {bs!r}",
+        )
+        _require(
+            self.max_model_len is None
+            or (isinstance(self.max_model_len, int) and self.max_model_len >= 1),
+            "max_model_len",
+            f"must be a positive integer or None, got {self.max_model_len!r}",
+        )
+        _require(
+            self.num_kv_blocks is None
+            or (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 2),
+            "num_kv_blocks",
+            f"must be an integer >= 2 or None, got {self.num_kv_blocks!r}",
+        )
+        _require(
+            self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0,
+            "kv_cache_memory_gb",
+            f"must be > 0, got {self.kv_cache_memory_gb!r}",
+        )
+        _require(
+            isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
+            "max_num_seqs",
+            f"must be an integer >= 1, got {self.max_num_seqs!r}",
+        )
+        _require(
+            isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            f"must be an integer >= 1, got {self.max_num_batched_tokens!r}",
+        )
+        _require(
+            self.scheduling_policy in _POLICIES,
+            "scheduling_policy",
+            f"must be one of {_POLICIES}, got {self.scheduling_policy!r}",
+        )
+        _require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
+        _require(
+            self.attention_backend in _BACKENDS,
+            "attention_backend",
+            f"must be one of {_BACKENDS}, got {self.attention_backend!r}",
+        )
+        _require(
+            isinstance(self.device, str)
+            and (self.device in ("auto", "cpu") or self.device.startswith("cuda")),
+            "device",
+            f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}",
+        )

@@ -1,0 +1,38 @@
+"""Typed errors a user can cause. The HTTP layer maps each to an OpenAI-shaped 4xx body.
+
+Every message says what to change. ``assert`` is kept for internal invariants only.
+"""
+
+from __future__ import annotations
+
+
+class PrefixServeError(Exception):
+    """Base class of every error prefixserve raises on purpose."""
+
+
+class InvalidArgumentError(PrefixServeError, ValueError):
+    """A parameter (of ``LLM``, ``SamplingParams``, a request) is out of range or of the wrong kind."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class PromptTooLongError(InvalidArgumentError):
+    """A prompt (plus the tokens asked for) does not fit in the model's context."""
+
+
+class ModelLoadError(PrefixServeError):
+    """A model cannot be found, downloaded or read."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The checkpoint's architecture is not one prefixserve implements."""
+
+
+class CacheCapacityError(PrefixServeError):
+    """A single request can never fit in the KV cache, however much is freed."""
+
+
+class BackendUnavailableError(PrefixServeError):
+    """The requested attention backend cannot run on this machine."""

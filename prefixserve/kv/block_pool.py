@@ -1,0 +1,178 @@
+"""The block pool: a fixed set of KV blocks, their reference counts and the prefix cache.
+
+Every block is in exactly one of three states::
+
+    state     ref_cnt  block_hash  lives in
+    free      0        None        _free_ids (FIFO, handed out first)
+    cached    0        set         _lru      (evictable, least recently used first)
+    used      > 0      either      one or more block tables
+
+so ``num_free_blocks + num_cached_blocks + num_used_blocks == num_blocks`` always.
+``_hash_to_block`` maps each registered hash to the one block carrying it, used or cached.
+A block needed while no free one is left evicts the LRU head: its hash is unregistered and
+the block is handed out as a fresh one.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from prefixserve.errors import InvalidArgumentError
+from prefixserve.kv.hashing import BlockHash
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    """One physical block of ``block_size`` KV slots.
+
+    ``token_ids`` is stored with ``block_hash`` so that a lookup compares the tokens too:
+    a hash collision can never return a block holding other tokens.
+    """
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+class BlockPool:
+    """Owns every ``KVBlock``; hands them out and takes them back in a deterministic order."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise InvalidArgumentError(
+                f"num_blocks must be positive, got {num_blocks}", "num_blocks"
+            )
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
+        self._free_ids: deque[int] = deque(range(num_blocks))
+        self._lru: OrderedDict[int, KVBlock] = OrderedDict()
+        self._hash_to_block: dict[BlockHash, KVBlock] = {}
+        self.evictions = 0
+        self.cow_copies = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref_cnt 0 and no hash."""
+        return len(self._free_ids)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks with ref_cnt 0 that still carry a hash (evictable)."""
+        return len(self._lru)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks with ref_cnt > 0."""
+        return self.num_blocks - len(self._free_ids) - len(self._lru)
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Blocks that ``allocate`` can hand out now, evicting cached ones if needed."""
+        return len(self._free_ids) + len(self._lru)
+
+    def is_evictable(self, block: KVBlock) -> bool:
+        return block.block_id in self._lru
+
+    def lru_block_ids(self) -> list[int]:
+        """Evictable block ids, next to be evicted first."""
+        return list(self._lru)
+
+    def hashed_blocks(self) -> dict[BlockHash, KVBlock]:
+        """A copy of the hash map (for tests and debugging)."""
+        return dict(self._hash_to_block)
+
+    def allocate(self, num: int) -> list[KVBlock]:
+        """Hand out ``num`` blocks with ref_cnt 1: free ones first, then evict LRU ones.
+
+        The caller checks ``num_available_blocks`` first.
+        """
+        assert num <= self.num_available_blocks, "allocate() past num_available_blocks"
+        out = []
+        for _ in range(num):
+            if self._free_ids:
+                block = self.blocks[self._free_ids.popleft()]
+            else:
+                _, block = self._lru.popitem(last=False)
+                self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: KVBlock) -> None:
+        assert block.block_hash is not None and block.ref_cnt == 0
+        del self._hash_to_block[block.block_hash]
+        block.block_hash = None
+        block.token_ids = None
+        self.evictions += 1
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference to each block, in order.
+
+        A block reaching ref_cnt 0 joins the MRU end of the LRU if hashed, else the free queue;
+        so freeing ``[b2, b1, b0]`` makes ``b2`` the first of the three to be evicted.
+        """
+        for block in blocks:
+            assert block.ref_cnt > 0, f"block {block.block_id} freed more often than held"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self._free_ids.append(block.block_id)
+                else:
+                    self._lru[block.block_id] = block
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take one more reference to each block (a prefix hit or a fork); out of the LRU."""
+        lru = self._lru
+        for block in blocks:
+            if block.ref_cnt == 0:
+                assert block.block_hash is not None, "touching a free block"
+                del lru[block.block_id]
+            block.ref_cnt += 1
+
+    def copy_on_write(self, block: KVBlock) -> KVBlock:
+        """Swap one reference to a shared block for a fresh block holding a copy of it.
+
+        The caller copies the KV of ``block`` into the returned block before writing.
+        """
+        assert block.ref_cnt > 1, "copy-on-write of a block that is not shared"
+        (fresh,) = self.allocate(1)
+        block.ref_cnt -= 1
+        self.cow_copies += 1
+        return fresh
+
+    def get_cached_block(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVBlock | None:
+        """The block registered under ``block_hash`` if it holds exactly ``token_ids``."""
+        block = self._hash_to_block.get(block_hash)
+        if block is not None and block.token_ids == tuple(token_ids):
+            return block
+        return None
+
+    def cache_block(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
+        """Register a full, used block under ``block_hash``; True if it was registered.
+
+        If another block already carries ``block_hash`` that mapping is kept and ``block``
+        stays unhashed (it is freed as a plain block later).
+        """
+        assert block.block_hash is None and block.ref_cnt > 0
+        if not self.enable_caching or block_hash in self._hash_to_block:
+            return False
+        block.block_hash = block_hash
+        block.token_ids = tuple(token_ids)
+        self._hash_to_block[block_hash] = block
+        return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every hash. Refused (False) while any block is in use."""
+        if self.num_used_blocks > 0:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+            block.token_ids = None
+        self._hash_to_block.clear()
+        self._lru.clear()
+        self._free_ids = deque(range(self.num_blocks))
+        return True

@@ -1,0 +1,247 @@
+"""KVCacheManager: the engine's only door to the KV cache.
+
+The scheduler asks for slots by token counts and never sees block ids; the model runner
+reads ``get_block_table`` and performs the copy-on-write pairs ``allocate_slots`` returns.
+
+One sequence, block_size 4, after a forward over 10 tokens (``num_computed_tokens`` 10)
+and before the next step writes 3 more::
+
+    positions      0 1 2 3 | 4 5 6 7 | 8 9 . . | . . . .
+    block_table    [  b0   ,   b1    ,   b2    ,   b3   ]
+    registered     h_0       h_1       (partial: no hash)
+    next write                             ^^^ 10..12 -> b2 (ref_cnt must be 1), b3 fresh
+
+Blocks full once a step's tokens are written are registered (``cache_full_blocks``) so
+that another request with the same prefix, or the next turn of this conversation, hits them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from prefixserve.errors import InvalidArgumentError
+from prefixserve.kv.block_pool import BlockPool, KVBlock
+from prefixserve.kv.hashing import BlockHash
+
+SeqId = Hashable
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    """The longest cached prefix of a prompt; no side effects until ``allocate_slots``.
+
+    Valid until the next call that can evict (``allocate_slots``, ``reset_prefix_cache``).
+    """
+
+    blocks: list[KVBlock]
+    num_tokens: int
+    num_query_tokens: int
+
+
+@dataclass(slots=True)
+class _SeqState:
+    blocks: list[KVBlock]
+    num_registered: int  # leading blocks already looked at by cache_full_blocks
+
+
+class KVCacheManager:
+    """Block tables of live sequences over one ``BlockPool``.
+
+    Invariants (checked by tests/test_kv_invariants.py): each block's ref_cnt equals the
+    number of block-table entries pointing at it; after ``allocate_slots`` every block a
+    sequence will write is held by that sequence alone.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        watermark: float = 0.01,
+    ) -> None:
+        if block_size <= 0:
+            raise InvalidArgumentError(
+                f"block_size must be positive, got {block_size}", "block_size"
+            )
+        if not 0.0 <= watermark < 1.0:
+            raise InvalidArgumentError(f"watermark must be in [0, 1), got {watermark}", "watermark")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self._seqs: dict[SeqId, _SeqState] = {}
+        self._query_tokens = 0
+        self._hit_tokens = 0
+
+    def get_num_blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """Whether ``num_blocks`` fresh blocks fit while keeping the watermark in reserve."""
+        return self.pool.num_available_blocks - num_blocks >= self.watermark_blocks
+
+    def lookup(self, token_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> PrefixHit:
+        """Longest cached prefix of full blocks whose hash and tokens both match.
+
+        Capped so that at least one token is computed: a prompt of exactly k blocks hits at
+        most k - 1. Changes no ref count and no counter.
+        """
+        num_query = len(token_ids)
+        if not self.enable_prefix_caching:
+            return PrefixHit([], 0, num_query)
+        bs = self.block_size
+        max_blocks = max(0, min((num_query - 1) // bs, len(block_hashes)))
+        get = self.pool.get_cached_block
+        prefix = tuple(token_ids[: max_blocks * bs])  # one conversion, not one per block
+        blocks: list[KVBlock] = []
+        start = 0
+        for block_hash in block_hashes[:max_blocks]:
+            block = get(block_hash, prefix[start : start + bs])
+            if block is None:
+                break
+            blocks.append(block)
+            start += bs
+        return PrefixHit(blocks, start, num_query)
+
+    def allocate_slots(
+        self,
+        seq_id: SeqId,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        hit: PrefixHit | None = None,
+    ) -> list[tuple[int, int]] | None:
+        """Make ``seq_id``'s block table cover ``num_computed_tokens + num_new_tokens`` tokens.
+
+        An unknown ``seq_id`` is admitted: its table starts with ``hit.blocks`` and
+        ``num_computed_tokens`` must equal ``hit.num_tokens``; admission keeps the watermark.
+        A shared block about to be written is first copied to a fresh one (copy-on-write).
+
+        Returns the ``(src_block_id, dst_block_id)`` copies to perform before the forward,
+        or None when the blocks do not fit, in which case nothing changed at all.
+        """
+        if num_computed_tokens < 0 or num_new_tokens < 0:
+            raise InvalidArgumentError(
+                f"token counts must be >= 0, got {num_computed_tokens} and {num_new_tokens}"
+            )
+        state = self._seqs.get(seq_id)
+        if state is None:
+            hit = hit if hit is not None else PrefixHit([], 0, 0)
+            if num_computed_tokens != hit.num_tokens:
+                raise InvalidArgumentError(
+                    f"admitting {seq_id!r}: num_computed_tokens {num_computed_tokens} must equal "
+                    f"the prefix hit's {hit.num_tokens} tokens",
+                    "num_computed_tokens",
+                )
+            table = hit.blocks
+        elif hit is not None:
+            raise InvalidArgumentError(f"{seq_id!r} is already admitted; pass no hit", "hit")
+        else:
+            table = state.blocks
+
+        total = num_computed_tokens + num_new_tokens
+        num_grow = max(0, self.get_num_blocks_needed(total) - len(table))
+        first_write = num_computed_tokens // self.block_size
+        end_write = min(self.get_num_blocks_needed(total), len(table))
+        cow = [i for i in range(first_write, end_write) if table[i].ref_cnt > 1]
+        if num_new_tokens == 0:  # nothing is written, not even into the partial last block
+            cow = []
+        num_fresh = num_grow + len(cow)
+
+        if state is None:
+            assert hit is not None
+            evictable_hits = len({b.block_id for b in table if b.ref_cnt == 0})
+            if not self.can_allocate(num_fresh + evictable_hits):
+                return None
+            self.pool.touch(table)
+            state = self._seqs[seq_id] = _SeqState(list(table), len(table))
+            self._query_tokens += hit.num_query_tokens
+            self._hit_tokens += hit.num_tokens
+        elif num_fresh > self.pool.num_available_blocks:
+            return None
+
+        blocks = state.blocks
+        copies = []
+        for i in cow:
+            fresh = self.pool.copy_on_write(blocks[i])
+            copies.append((blocks[i].block_id, fresh.block_id))
+            blocks[i] = fresh
+        blocks.extend(self.pool.allocate(num_grow))
+        return copies
+
+    def cache_full_blocks(
+        self,
+        seq_id: SeqId,
+        token_ids: Sequence[int],
+        block_hashes: Sequence[BlockHash],
+        num_computed_tokens: int,
+    ) -> None:
+        """Register every block of ``seq_id`` fully covered by ``num_computed_tokens``.
+
+        The scheduler calls it when it schedules the tokens that fill them: the forward of that
+        step writes every layer's K/V before any query reads it, so a request admitted later in
+        the same step may already hit these blocks. Generated tokens count like prompt tokens. ``block_hashes`` is the sequence's own list (it may run ahead).
+        """
+        state = self._require(seq_id)
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(num_computed_tokens // bs, len(state.blocks))
+        if len(block_hashes) < num_full or len(token_ids) < num_full * bs:
+            raise InvalidArgumentError(
+                f"{seq_id!r}: {num_full} full blocks computed but only {len(block_hashes)} "
+                f"hashes and {len(token_ids)} tokens given"
+            )
+        cache_block = self.pool.cache_block
+        for i in range(state.num_registered, num_full):
+            block = state.blocks[i]
+            if block.block_hash is None:
+                cache_block(block, block_hashes[i], token_ids[i * bs : (i + 1) * bs])
+        state.num_registered = max(state.num_registered, num_full)
+
+    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
+        """The child shares every block of the parent (ref_cnt + 1 each)."""
+        parent = self._require(parent_id)
+        if child_id in self._seqs:
+            raise InvalidArgumentError(f"fork: {child_id!r} is already a live sequence", "child_id")
+        self.pool.touch(parent.blocks)
+        self._seqs[child_id] = _SeqState(list(parent.blocks), parent.num_registered)
+
+    def free(self, seq_id: SeqId) -> None:
+        """Release the sequence's blocks, tail first so chain tails are evicted before heads."""
+        state = self._seqs.pop(seq_id, None)
+        if state is not None:
+            self.pool.free(reversed(state.blocks))
+
+    def get_block_table(self, seq_id: SeqId) -> list[int]:
+        return [block.block_id for block in self._require(seq_id).blocks]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; refused (False) while any block is in use."""
+        return self.pool.reset_prefix_cache()
+
+    @property
+    def usage(self) -> float:
+        return self.pool.num_used_blocks / self.num_blocks
+
+    def stats(self) -> dict[str, int | float]:
+        queries, hits = self._query_tokens, self._hit_tokens
+        return {
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": hits,
+            "hit_rate": hits / queries if queries else 0.0,
+            "num_blocks": self.num_blocks,
+            "free_blocks": self.pool.num_free_blocks,
+            "cached_blocks": self.pool.num_cached_blocks,
+            "used_blocks": self.pool.num_used_blocks,
+            "evictions": self.pool.evictions,
+            "cow_copies": self.pool.cow_copies,
+        }
+
+    def _require(self, seq_id: SeqId) -> _SeqState:
+        state = self._seqs.get(seq_id)
+        if state is None:
+            raise InvalidArgumentError(f"unknown sequence {seq_id!r}", "seq_id")
+        return state

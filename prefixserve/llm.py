@@ -1,0 +1,136 @@
+"""The offline API: ``LLM(...).generate(prompts, SamplingParams(...))``, ``chat``, ``beam_search``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as SequenceABC
+
+from tqdm.auto import tqdm
+
+from prefixserve.config import EngineConfig
+from prefixserve.engine import LLMEngine
+from prefixserve.errors import InvalidArgumentError
+from prefixserve.outputs import RequestOutput
+from prefixserve.sampling_params import BeamSearchParams, SamplingParams
+
+PromptType = str | list[int]
+
+
+class LLM:
+    """An engine in this process. ``model=None`` uses the built-in ``prefixserve/tiny-random``.
+
+    Keyword options are those of ``EngineConfig``: block_size, max_model_len, num_kv_blocks,
+    kv_cache_memory_gb, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
+    enable_chunked_prefill, scheduling_policy, device, dtype, seed, attention_backend, ...
+    """
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def cache_stats(self) -> dict:
+        """Prefix-cache counters (in tokens) and block usage; see ``KVCacheManager.stats``."""
+        return self.llm_engine.cache_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    def generate(
+        self,
+        prompts: PromptType | list[PromptType],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in the order of ``prompts``."""
+        prompt_list = _as_prompt_list(prompts)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, list):
+            if len(params) != len(prompt_list):
+                raise InvalidArgumentError(
+                    f"sampling_params: got {len(params)} for {len(prompt_list)} prompts",
+                    "sampling_params",
+                )
+            param_list = params
+        else:
+            param_list = [params] * len(prompt_list)
+        return self._run(prompt_list, param_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tokenizer = self.get_tokenizer()
+        prompts = [
+            _as_token_ids(
+                tokenizer.apply_chat_template(
+                    conv, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True
+                )
+            )
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(
+        self, prompts: PromptType | list[PromptType], params: BeamSearchParams
+    ) -> list[RequestOutput]:
+        """Beam search inside the engine on forked sequences; each output's beams are best first."""
+        prompt_list = _as_prompt_list(prompts)
+        return self._run(prompt_list, [params] * len(prompt_list), use_tqdm=False)
+
+    def _run(self, prompts: list[PromptType], params: list, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = str(next(self._request_ids))
+                engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2)
+        try:
+            while len(finished) < len(ids):
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            for rid in ids:
+                if rid not in finished:
+                    engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [finished[rid] for rid in ids]
+
+
+def _as_token_ids(encoded) -> list[int]:
+    """apply_chat_template returns a list, or a BatchEncoding with input_ids in newer transformers."""
+    if isinstance(encoded, dict) or hasattr(encoded, "input_ids"):
+        encoded = encoded["input_ids"]
+    return list(encoded)
+
+
+def _as_prompt_list(prompts) -> list[PromptType]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    if isinstance(prompts, SequenceABC) and all(isinstance(p, (str, list)) for p in prompts):
+        return list(prompts)
+    raise InvalidArgumentError(
+        "prompts: expected a string, a list of strings, a list of token ids or a list of those",
+        "prompts",
+    )

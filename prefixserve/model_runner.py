@@ -1,0 +1,154 @@
+"""Turns a ``SchedulerOutput`` into one forward pass over the flattened batch and returns logits.
+
+Per step: perform the copy-on-write block copies, build ``input_ids`` / ``positions`` and the
+``AttentionMetadata`` (decodes first, then prefill chunks), run the model once, and compute logits
+only at the last token of every sequence that samples.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from prefixserve.attention.backend import AttentionMetadata
+from prefixserve.attention.selector import get_attention_backend
+from prefixserve.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
+from prefixserve.errors import CacheCapacityError, InvalidArgumentError
+from prefixserve.models.loader import load_model
+from prefixserve.scheduler import ScheduledSeq, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgumentError(
+            "device: CUDA was asked for but is not available", param="device"
+        )
+    return device
+
+
+class ModelRunner:
+    """Owns the model weights and the paged KV cache ``[layers, 2, blocks, block_size, kv_heads, dim]``."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.attn_backend = get_attention_backend(config.attention_backend, self.device)
+        self.model, self.model_config, self.model_name = load_model(
+            config.model,
+            dtype=config.dtype,
+            device=self.device,
+            attn_backend=self.attn_backend,
+            revision=config.revision,
+        )
+        self.dtype = next(self.model.parameters()).dtype
+        self.block_size = config.block_size
+        self.num_blocks = self._num_kv_blocks()
+        mc = self.model_config
+        shape = (mc.num_hidden_layers, 2, self.num_blocks, self.block_size,
+                 mc.num_key_value_heads, mc.head_dim)  # fmt: skip
+        self.kv_caches = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+            self.num_blocks,
+            self.block_size,
+            self.kv_caches.numel() * self.kv_caches.element_size() / 2**30,
+        )
+
+    def _bytes_per_block(self) -> int:
+        mc = self.model_config
+        elems = mc.num_hidden_layers * 2 * self.block_size * mc.num_key_value_heads * mc.head_dim
+        return elems * torch.finfo(self.dtype).bits // 8
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.config.kv_cache_memory_gb is not None:
+            budget = self.config.kv_cache_memory_gb * 2**30
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = 0.9 * free
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_GB * 2**30
+        num_blocks = int(budget // self._bytes_per_block())
+        if num_blocks < 2:
+            raise CacheCapacityError(
+                "the KV cache budget holds fewer than 2 blocks; raise kv_cache_memory_gb"
+            )
+        return num_blocks
+
+    @torch.inference_mode()
+    def execute(
+        self, out: SchedulerOutput, block_tables: dict[int, list[int]]
+    ) -> tuple[list[ScheduledSeq], torch.Tensor]:
+        """Run one step. Returns the sequences that sample, in order, and their logits ``[n, V]``."""
+        if out.block_copies:
+            src, dst = zip(*out.block_copies)
+            self.attn_backend.copy_blocks(
+                self.kv_caches,
+                torch.tensor(src, dtype=torch.int64, device=self.device),
+                torch.tensor(dst, dtype=torch.int64, device=self.device),
+            )
+        batch = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first
+        input_ids, positions, meta, sample_rows, samplers = self._prepare_inputs(
+            batch, block_tables
+        )
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden[sample_rows])
+        return samplers, logits
+
+    def _prepare_inputs(self, batch: list[ScheduledSeq], block_tables: dict[int, list[int]]):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        samplers: list[ScheduledSeq] = []
+        num_decodes = 0
+        for sched in batch:
+            seq, n = sched.seq, sched.num_new_tokens
+            start = seq.num_computed_tokens
+            end = start + n
+            table = block_tables[seq.seq_id]
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_start_loc.append(query_start_loc[-1] + n)
+            seq_lens.append(end)
+            query_lens.append(n)
+            tables.append(table)
+            if n == 1:
+                num_decodes += 1
+            if sched.samples:
+                sample_rows.append(query_start_loc[-1] - 1)
+                samplers.append(sched)
+        max_blocks = max(len(t) for t in tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decodes,
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        rows = torch.tensor(sample_rows, dtype=torch.int64, device=dev)
+        return ids, pos, meta, rows, samplers

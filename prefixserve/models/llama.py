@@ -1,0 +1,323 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) in one model, driven by ``ModelConfig``.
+
+The model runs one forward over a flattened batch (see ``prefixserve.attention.backend``): every
+tensor below is indexed by token, ``T`` tokens of all scheduled sequences concatenated, and only
+attention knows where one sequence ends. Parameters are created uninitialized; ``load_weights``
+fills every one of them (it raises if any is left over). q/k/v and gate/up are fused into one
+matmul each; their Hugging Face names are mapped onto slices of the fused weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefixserve.attention.backend import AttentionBackend, AttentionMetadata
+from prefixserve.errors import ModelLoadError
+from prefixserve.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+class Linear(nn.Module):
+    """``y = x W^T + b`` with parameters left uninitialized until weights are loaded."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """RMS normalization over the last dim, computed in float32 and cast back (as transformers)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``[head_dim // 2]`` (float32) and the cos/sin scale for the rope type."""
+    dim, base, rs = config.head_dim, config.rope_theta, config.rope_scaling
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (base**exponents)
+    if rs is None:
+        return inv_freq, 1.0
+    kind = rs["rope_type"]
+    if kind == "linear":
+        return inv_freq / rs["factor"], 1.0
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, rs), 1.0
+    assert kind == "yarn", kind
+    return _yarn_inv_freq(dim, base, config.max_position_embeddings, rs)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, rs: dict) -> torch.Tensor:
+    """Llama 3.1: keep high frequencies, divide low ones by ``factor``, interpolate in between."""
+    factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old_len = rs["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(dim: int, base: float, max_pos: int, rs: dict) -> tuple[torch.Tensor, float]:
+    """YaRN: blend interpolated and extrapolated frequencies over a linear ramp of dims."""
+    old_len = rs["original_max_position_embeddings"]
+    factor = rs.get("factor") or max_pos / old_len
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn_factor = rs.get("attention_factor")
+    if attn_factor is None:
+        m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
+        attn_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    lo, hi = correction_dim(rs.get("beta_fast") or 32), correction_dim(rs.get("beta_slow") or 1)
+    if rs.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    hi = hi + 0.001 if lo == hi else hi
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolate = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    return inv_freq, float(attn_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rope with cos/sin precomputed for every position (``[max_pos, head_dim // 2]``).
+
+    The cache is computed in float32 on the CPU, exactly as transformers computes its per-step
+    cos/sin, then cast to the default dtype and device the model is built under.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inv_freq, scale = rope_inv_freq(config)
+        positions = torch.arange(config.max_position_embeddings, device="cpu").float()
+        freqs = positions[:, None] * inv_freq[None, :]  # (P, hd/2)
+        dtype, device = torch.get_default_dtype(), torch.empty(0).device
+        self.register_buffer("cos", (freqs.cos() * scale).to(device, dtype), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * scale).to(device, dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` (T, heads, hd) by each token's position."""
+        cos, sin = (
+            self.cos[positions].unsqueeze(1),
+            self.sin[positions].unsqueeze(1),
+        )  # (T, 1, hd/2)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = (
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        )
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias
+        )
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self.rotary_emb = rotary  # one module shared by every layer
+        self.backend = backend
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # (T, nh, hd)
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q), self.rotary_emb(positions, k)
+        out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)  # (T, nh, hd)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(
+            config.hidden_size, 2 * config.intermediate_size, config.mlp_bias
+        )
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        h: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, attn_metadata)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Parameter(
+            torch.empty(config.vocab_size, config.hidden_size), requires_grad=False
+        )
+        self.rotary_emb = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.rotary_emb, backend) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+# Hugging Face parameter name suffix -> (our fused parameter suffix, shard index).
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over a paged KV cache; one batched forward for the whole flattened batch."""
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, attn_backend)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Parameter(
+                torch.empty(config.vocab_size, config.hidden_size), requires_grad=False
+            )
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        tied = self.config.tie_word_embeddings
+        return self.model.embed_tokens if tied else self.lm_head
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, nkv, hd]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden], after the final norm
+        h = F.embedding(input_ids, self.model.embed_tokens)  # (T, hidden)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(positions, h, kv_caches[i], attn_metadata)
+        return self.model.norm(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` -> ``[n, vocab]`` float32."""
+        return F.linear(hidden_states, self.lm_head_weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face named tensors into the model (any dtype/device; cast on copy).
+
+        Names are HF's (``model.layers.0.self_attn.q_proj.weight``), or already fused
+        (``...qkv_proj.weight``). Raises ``ModelLoadError`` on an unknown name, a shape mismatch,
+        or any parameter (or fused shard) that no tensor filled. Rotary ``inv_freq`` buffers are
+        ignored, and so is ``lm_head.weight`` when the embeddings are tied.
+        """
+        params = dict(self.named_parameters())
+        expected = {(name, None) for name in params}
+        loaded: set[tuple[str, int | None]] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            target, shard = self._map_name(name)
+            if target == "lm_head" and self.config.tie_word_embeddings:
+                continue
+            if target not in params:
+                raise ModelLoadError(f"checkpoint holds weight {name!r}, which this model lacks")
+            dest = self._shard_view(params[target], target, shard)
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ModelLoadError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.add((target, shard))
+        for target, shard in list(loaded):
+            if shard is not None:
+                n = 3 if "qkv_proj" in target else 2
+                if all((target, s) in loaded for s in range(n)):
+                    loaded.add((target, None))
+        missing = sorted(n for n, _ in expected - loaded)
+        if missing:
+            raise ModelLoadError(
+                f"checkpoint lacks weights: {missing[:8]}{' ...' * (len(missing) > 8)}"
+            )
+        logger.debug("loaded %d parameters", len(params))
+
+    @staticmethod
+    def _map_name(name: str) -> tuple[str, int | None]:
+        """HF name -> (our parameter name, shard index within a fused weight or None)."""
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            return name.removesuffix(".weight"), None
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in _FUSED:
+            fused, shard = _FUSED[parts[-2]]
+            return ".".join([*parts[:-2], fused, parts[-1]]), shard
+        return name, None
+
+    def _shard_view(self, param: torch.Tensor, name: str, shard: int | None) -> torch.Tensor:
+        if shard is None:
+            return param
+        if "qkv_proj" in name:
+            attn = self.model.layers[0].self_attn
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            sizes = [self.config.intermediate_size] * 2
+        return param.split(sizes, dim=0)[shard]

@@ -1,0 +1,45 @@
+"""What ``LLM.generate`` returns and ``LLMEngine.step`` streams: vLLM's output shapes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One generated continuation of a prompt.
+
+    ``token_ids`` holds generated tokens only. ``logprobs`` is None unless asked for; else one dict
+    per generated token mapping token id -> logprob, holding the sampled token and the top-k.
+    ``finish_reason`` is None while running, then ``"stop"`` (EOS, a stop string or a stop token),
+    ``"length"`` (max_tokens or the context limit) or ``"abort"``; ``stop_reason`` is the matched
+    stop string or stop token id, else None.
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request: its prompt, the tokens served from the prefix cache, its outputs.
+
+    ``num_cached_tokens`` counts prompt tokens whose KV came from the prefix cache at the request's
+    first scheduling (block-aligned). ``outputs`` are in index order (for beam search: best first).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    error: str | None = None

@@ -1,0 +1,261 @@
+"""Logits -> tokens (+ logprobs) for one step of a batch.
+
+Order of processing, per row::
+
+    raw logits ──> logprobs (log_softmax of the raw logits: what the model said)
+        │
+        └─> banned tokens -> penalties ─┬─ greedy rows: argmax
+                                        └─ random rows: temperature -> top-k -> top-p -> min-p
+                                                        -> exponential race: argmax(probs / q)
+
+The exponential race picks token ``i`` with probability ``probs[i]`` when ``q ~ Exp(1)`` i.i.d.
+A row with its own ``torch.Generator`` (a seeded request) draws its ``q`` from it alone, so a seed
+gives the same tokens whatever else shares the batch. Filters are vectorized over the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from prefixserve.sampling_params import SamplingParams
+
+# Top-p ranks this many candidates before it falls back to sorting the whole vocab.
+_TOP_P_CANDIDATES = 1024
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per-step sampling state, one row per sequence that samples this step.
+
+    Optional tensors are None when no row uses the feature (the fast path skips it).
+    ``temperature`` is 0 exactly for greedy rows; ``top_k`` 0 means disabled. ``generators`` maps a
+    row index to that sequence's own generator. ``banned_token_ids`` lists, per row, tokens masked
+    to -inf (EOS and stop token ids while a sequence is shorter than its ``min_tokens``).
+    """
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor | None
+    top_k: torch.Tensor | None
+    min_p: torch.Tensor | None
+    presence_penalty: torch.Tensor | None
+    frequency_penalty: torch.Tensor | None
+    repetition_penalty: torch.Tensor | None
+    output_token_ids: list[list[int]]
+    prompt_token_ids: list[list[int]]
+    generators: dict[int, torch.Generator]
+    max_num_logprobs: int | None
+    all_greedy: bool
+    banned_token_ids: list[list[int]] | None
+
+    @classmethod
+    def from_params(
+        cls,
+        params: list[SamplingParams],
+        output_token_ids: list[list[int]],
+        prompt_token_ids: list[list[int]],
+        generators: dict[int, torch.Generator],
+        banned_token_ids: list[list[int]] | None,
+        device: torch.device | str,
+    ) -> SamplingMetadata:
+        """Build the metadata of a batch, leaving unused features as None."""
+        assert len(params) == len(output_token_ids) == len(prompt_token_ids)
+
+        def column(values: list[float], dtype: torch.dtype, unused: float) -> torch.Tensor | None:
+            if all(v == unused for v in values):
+                return None
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        greedy = [p.greedy for p in params]
+        temperature = [0.0 if g else p.temperature for g, p in zip(greedy, params)]
+        requested = [p.logprobs for p in params if p.logprobs is not None]
+        if banned_token_ids is not None and not any(banned_token_ids):
+            banned_token_ids = None
+        return cls(
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+            top_p=column([p.top_p for p in params], torch.float32, 1.0),
+            top_k=column([p.top_k for p in params], torch.int64, 0),
+            min_p=column([p.min_p for p in params], torch.float32, 0.0),
+            presence_penalty=column([p.presence_penalty for p in params], torch.float32, 0.0),
+            frequency_penalty=column([p.frequency_penalty for p in params], torch.float32, 0.0),
+            repetition_penalty=column([p.repetition_penalty for p in params], torch.float32, 1.0),
+            output_token_ids=output_token_ids,
+            prompt_token_ids=prompt_token_ids,
+            generators=generators,
+            max_num_logprobs=max(requested) if requested else None,
+            all_greedy=all(greedy),
+            banned_token_ids=banned_token_ids,
+        )
+
+    @property
+    def needs_processing(self) -> bool:
+        """True when banned tokens or a penalty change the logits before sampling."""
+        return (
+            self.banned_token_ids is not None
+            or self.presence_penalty is not None
+            or self.frequency_penalty is not None
+            or self.repetition_penalty is not None
+        )
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """Sampled tokens and their logprobs (from the raw logits); top-k is None unless asked for."""
+
+    sampled_token_ids: torch.Tensor
+    sampled_logprobs: torch.Tensor
+    topk_token_ids: torch.Tensor | None
+    topk_logprobs: torch.Tensor | None
+
+
+def _token_mask(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[N, V] float32 counts of each token id per row (scatter_add from a padded list)."""
+    width = max((len(ids) for ids in token_ids), default=0)
+    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
+    if width:
+        # Padding points at the extra column ``vocab_size``, dropped below.
+        rows = [ids + [vocab_size] * (width - len(ids)) for ids in token_ids]
+        padded = torch.tensor(rows, dtype=torch.int64, device=device)
+        counts.scatter_add_(1, padded, torch.ones(padded.shape, dtype=torch.float32, device=device))
+    return counts[:, :vocab_size]
+
+
+def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: list[list[int]]) -> torch.Tensor:
+    """Return ``logits`` with each row's banned tokens set to -inf."""
+    banned = _token_mask(banned_token_ids, logits.shape[-1], logits.device) > 0
+    return logits.masked_fill(banned, float("-inf"))
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Return ``logits`` after the repetition, frequency and presence penalties.
+
+    Repetition (as transformers): a token seen in the prompt or the output has its logit divided by
+    the penalty when positive, multiplied when negative. Frequency and presence (as OpenAI):
+    ``logit -= frequency * count + presence * (count > 0)`` over generated tokens only.
+    """
+    vocab_size = logits.shape[-1]
+    if metadata.repetition_penalty is not None:
+        seen_ids = [p + o for p, o in zip(metadata.prompt_token_ids, metadata.output_token_ids)]
+        seen = _token_mask(seen_ids, vocab_size, logits.device) > 0
+        penalty = metadata.repetition_penalty.unsqueeze(1)
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalized, logits)
+    if metadata.frequency_penalty is not None or metadata.presence_penalty is not None:
+        counts = _token_mask(metadata.output_token_ids, vocab_size, logits.device)
+        if metadata.frequency_penalty is not None:
+            logits = logits - metadata.frequency_penalty.unsqueeze(1) * counts
+        if metadata.presence_penalty is not None:
+            logits = logits - metadata.presence_penalty.unsqueeze(1) * (counts > 0).float()
+    return logits
+
+
+def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Banned tokens then penalties: the logits that greedy rows take the argmax of."""
+    if metadata.banned_token_ids is not None:
+        logits = apply_banned_tokens(logits, metadata.banned_token_ids)
+    return apply_penalties(logits, metadata)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf every token below the row's k-th largest logit (k = 0: off; ties are kept)."""
+    k = top_k.clamp(max=logits.shape[-1])
+    max_k = int(k.max())
+    if max_k == 0:
+        return logits
+    top_values = logits.topk(max_k, dim=-1).values
+    kth = top_values.gather(1, (k - 1).clamp(min=0).unsqueeze(1))
+    kth = kth.masked_fill((k == 0).unsqueeze(1), float("-inf"))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_drop_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[N, V] True for tokens top-p removes (p = 1: none).
+
+    Top-p keeps the smallest set of most likely tokens whose mass reaches p: a token is kept when
+    the mass of the tokens ranked before it is below p, so the most likely token always survives.
+    Only the ``_TOP_P_CANDIDATES`` most likely tokens are ranked when they hold mass >= p in every
+    row (every other token then has mass >= p before it); otherwise the whole vocab is sorted.
+    """
+    vocab_size = probs.shape[-1]
+    ranked, ranked_ids = probs.topk(min(vocab_size, _TOP_P_CANDIDATES), dim=-1)
+    if ranked.shape[-1] < vocab_size and not bool((ranked.sum(dim=-1) >= top_p).all()):
+        ranked, ranked_ids = probs.sort(dim=-1, descending=True)
+    keep_ranked = (ranked.cumsum(dim=-1) - ranked) < top_p.unsqueeze(1)
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, ranked_ids, keep_ranked)
+    # Rows with p == 1 keep everything, whatever the rounding of the cumulative sum.
+    return ~keep & (top_p < 1.0).unsqueeze(1)
+
+
+def min_p_drop_mask(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """[N, V] True for tokens below ``min_p`` times the row's top probability.
+
+    The ratio to the top probability does not change when top-p renormalizes (top-p keeps the
+    top token), so the mask may be computed before or after top-p alike.
+    """
+    return probs < min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+
+
+def filtered_probs(
+    logits: torch.Tensor, metadata: SamplingMetadata, rows: torch.Tensor
+) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p for the random ``rows`` (``logits`` holds only those).
+
+    Returns unnormalized probabilities (filtered tokens are 0): the exponential race does not
+    need them to sum to 1, which saves a pass over ``[N, V]``.
+    """
+    logits = logits / metadata.temperature[rows].unsqueeze(1)
+    if metadata.top_k is not None:
+        logits = apply_top_k(logits, metadata.top_k[rows])
+    probs = logits.softmax(dim=-1)
+    drop: torch.Tensor | None = None
+    if metadata.top_p is not None:
+        drop = top_p_drop_mask(probs, metadata.top_p[rows])
+    if metadata.min_p is not None:
+        min_p_drop = min_p_drop_mask(probs, metadata.min_p[rows])
+        drop = min_p_drop if drop is None else drop | min_p_drop
+    return probs if drop is None else probs.masked_fill_(drop, 0.0)
+
+
+def exponential_race(
+    probs: torch.Tensor, rows: list[int], generators: dict[int, torch.Generator]
+) -> torch.Tensor:
+    """Sample one token per row of ``probs``: ``argmax(probs / q)``, ``q ~ Exp(1)``.
+
+    ``rows[i]`` is the batch row of ``probs[i]``; a row with a generator draws its ``q`` from it.
+    ``q = -log(u)``, ``u ~ U[0, 1)``, is positive (u < 1) and much cheaper than ``exponential_``.
+    """
+    u = torch.empty_like(probs)
+    seeded = [i for i, row in enumerate(rows) if row in generators]
+    if len(seeded) < len(rows):
+        u.uniform_()
+    for i in seeded:
+        u[i].uniform_(generator=generators[rows[i]])
+    return (probs / u.log_().neg_()).argmax(dim=-1)
+
+
+class Sampler:
+    """Turns one step's logits ``[N, V]`` into tokens and logprobs; stateless."""
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        processed = process_logits(logits, metadata) if metadata.needs_processing else logits
+        sampled = processed.argmax(dim=-1)
+        if not metadata.all_greedy:
+            random = metadata.temperature > 0
+            rows = random.nonzero().squeeze(1)
+            random_logits = processed if bool(random.all()) else processed[rows]
+            probs = filtered_probs(random_logits, metadata, rows)
+            sampled[rows] = exponential_race(probs, rows.tolist(), metadata.generators)
+        return self._with_logprobs(logits, sampled, metadata.max_num_logprobs)
+
+    @staticmethod
+    def _with_logprobs(logits: torch.Tensor, sampled: torch.Tensor, k: int | None) -> SamplerOutput:
+        """Logprobs from the raw logits: ``logit - logsumexp``, without a full log_softmax."""
+        lse = logits.logsumexp(dim=-1, keepdim=True)
+        sampled_logprobs = (logits.gather(1, sampled.unsqueeze(1)) - lse).squeeze(1)
+        topk_ids = topk_logprobs = None
+        if k is not None:
+            top_values, topk_ids = logits.topk(k, dim=-1)
+            topk_logprobs = top_values - lse
+        return SamplerOutput(sampled, sampled_logprobs, topk_ids, topk_logprobs)

@@ -1,0 +1,156 @@
+"""Per-request sampling parameters (the offline API's and the HTTP API's common language)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prefixserve.errors import InvalidArgumentError
+
+_MAX_LOGPROBS = 20
+
+
+def _check(cond: bool, param: str, message: str) -> None:
+    if not cond:
+        raise InvalidArgumentError(f"{param}: {message}", param=param)
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the continuation of one prompt.
+
+    ``temperature == 0`` means greedy. ``top_k == 0`` (or -1) and ``top_p == 1`` disable those
+    filters. ``logprobs=k`` returns, for each generated token, a dict holding the sampled token and
+    the k most likely tokens. ``cache_salt`` isolates this request's KV blocks from requests with a
+    different salt (tenant isolation).
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    logprobs: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    cache_salt: str | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(
+            isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}"
+        )
+        _check(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            "max_tokens",
+            f"must be an integer >= 1 or None, got {self.max_tokens!r}",
+        )
+        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            "top_k",
+            f"must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}",
+        )
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check(
+            self.seed is None or isinstance(self.seed, int),
+            "seed",
+            f"must be an integer, got {self.seed!r}",
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "must be a non-empty string or a list of non-empty strings",
+        )
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be a list of non-negative integers",
+        )
+        _check(
+            self.logprobs is None
+            or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= _MAX_LOGPROBS),
+            "logprobs",
+            f"must be an integer in [0, {_MAX_LOGPROBS}] or None, got {self.logprobs!r}",
+        )
+        _check(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            "min_tokens",
+            f"must be an integer >= 0, got {self.min_tokens!r}",
+        )
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must not exceed max_tokens={self.max_tokens}, got {self.min_tokens}",
+        )
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            f"must be in [-2, 2], got {self.presence_penalty}",
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            f"must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        _check(
+            self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            f"must be > 0, got {self.repetition_penalty}",
+        )
+        _check(
+            self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
+            "cache_salt",
+            "must be a non-empty string or None",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search: keep the ``beam_width`` best hypotheses by cumulative logprob.
+
+    ``length_penalty`` follows transformers: a finished hypothesis scores
+    ``sum_logprobs / len(generated) ** length_penalty``.
+    """
+
+    beam_width: int = 4
+    max_tokens: int = 32
+    length_penalty: float = 1.0
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    cache_salt: str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.beam_width, int) and self.beam_width >= 1,
+            "beam_width",
+            f"must be an integer >= 1, got {self.beam_width!r}",
+        )
+        _check(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            "max_tokens",
+            f"must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        _check(self.temperature == 0.0, "temperature", "beam search is deterministic; use 0")

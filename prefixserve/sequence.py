@@ -1,0 +1,110 @@
+"""Requests and their sequences: the engine's unit of bookkeeping.
+
+A ``Request`` is one prompt with its sampling parameters; it owns one ``Sequence`` until its prompt
+is prefilled, then ``n`` sequences (parallel sampling) or ``beam_width`` (beam search), forks that
+share the prompt's KV blocks. The scheduler schedules requests; preemption and admission act on a
+whole request, so the sequences of a group always run together.
+
+Index ranges of one sequence (``num_tokens = len(token_ids)``)::
+
+    token_ids:  | prompt ............................ | output ...... |
+                0                             num_prompt_tokens    num_tokens
+    KV cache:   | computed (cached or run) | to compute |
+                0                 num_computed_tokens   num_tokens
+
+A sequence whose ``num_computed_tokens`` reaches ``num_tokens - 0`` after a step has run its last
+token through the model: that step samples its next token.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from prefixserve.detokenizer import IncrementalDetokenizer
+from prefixserve.sampling_params import BeamSearchParams, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One growing token sequence with its own KV block table (kept by the KV cache manager)."""
+
+    seq_id: int
+    index: int  # position among the request's outputs
+    token_ids: list[int]
+    num_prompt_tokens: int
+    detokenizer: IncrementalDetokenizer | None = None
+    generator: torch.Generator | None = None
+    num_computed_tokens: int = 0
+    block_hashes: list = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt, its parameters and its sequences. ``seqs`` holds live and finished sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams | BeamSearchParams
+    extra_keys: tuple
+    max_total_tokens: int  # stop at this length (prompt + output): max_tokens or max_model_len
+    seqs: list[Sequence] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    num_cached_tokens: int | None = None  # prompt tokens hit in the prefix cache at first admission
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    # beam search: finished hypotheses kept aside, (score, sequence) pairs
+    finished_beams: list = field(default_factory=list)
+
+    @property
+    def is_beam_search(self) -> bool:
+        return isinstance(self.params, BeamSearchParams)
+
+    @property
+    def num_samples(self) -> int:
+        """How many sequences the request grows after its prompt: n, or the beam width."""
+        if isinstance(self.params, BeamSearchParams):
+            return self.params.beam_width
+        return self.params.n
+
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,96 @@
+"""Test helpers: build ``AttentionMetadata`` for a flattened batch and run paged model steps.
+
+A batch is described per sequence as ``(num_cached, num_new)`` plus its block table; decodes
+(``num_new == 1``) must come first, as the engine's model runner lays them out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefixserve.attention.backend import AttentionMetadata
+
+
+def build_attn_metadata(
+    seqs: list[tuple[int, int]],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Return ``(positions [T], metadata)`` for sequences ``(num_cached, num_new)``."""
+    positions, slots = [], []
+    for (cached, new), table in zip(seqs, block_tables):
+        for p in range(cached, cached + new):
+            positions.append(p)
+            slots.append(table[p // block_size] * block_size + p % block_size)
+    q_lens = [new for _, new in seqs]
+    seq_lens = [cached + new for cached, new in seqs]
+    num_decodes = 0
+    while num_decodes < len(seqs) and q_lens[num_decodes] == 1:
+        num_decodes += 1
+    width = max(len(t) for t in block_tables)
+    tables = [t + [0] * (width - len(t)) for t in block_tables]
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    md = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(cu, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decodes,
+        query_lens_cpu=q_lens,
+        seq_lens_cpu=seq_lens,
+    )
+    return torch.tensor(positions, dtype=torch.int64, device=device), md
+
+
+class BlockAllocator:
+    """Hands out block ids in a scrambled but fixed order, so tables are not contiguous."""
+
+    def __init__(self, num_blocks: int, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.free = torch.randperm(num_blocks, generator=gen).tolist()
+
+    def grow(self, table: list[int], num_tokens: int, block_size: int) -> list[int]:
+        """Extend ``table`` in place until it covers ``num_tokens`` positions."""
+        while len(table) * block_size < num_tokens:
+            table.append(self.free.pop())
+        return table
+
+
+def run_step(
+    model: torch.nn.Module,
+    kv_caches: torch.Tensor,
+    batch: list[tuple[list[int], int, int]],
+    block_tables: list[list[int]],
+    block_size: int,
+) -> list[torch.Tensor]:
+    """One forward; ``batch`` holds ``(token_ids, num_cached, num_new)`` per sequence.
+
+    Returns each sequence's logits ``[num_new, vocab]`` for its new tokens.
+    """
+    seqs = [(cached, new) for _, cached, new in batch]
+    positions, md = build_attn_metadata(seqs, block_tables, block_size, kv_caches.device)
+    input_ids = torch.tensor(
+        [t for ids, cached, new in batch for t in ids[cached : cached + new]],
+        device=kv_caches.device,
+    )
+    logits = model.compute_logits(model(input_ids, positions, kv_caches, md))
+    return list(logits.split(md.query_lens_cpu))
+
+
+def new_kv_caches(config, num_blocks: int, block_size: int, dtype=torch.float32) -> torch.Tensor:
+    """``[num_layers, 2, num_blocks, block_size, nkv, hd]`` zeros."""
+    return torch.zeros(
+        config.num_hidden_layers,
+        2,
+        num_blocks,
+        block_size,
+        config.num_key_value_heads,
+        config.head_dim,
+        dtype=dtype,
+    )

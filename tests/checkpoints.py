@@ -1,0 +1,99 @@
+"""Small seeded random Hugging Face checkpoints (safetensors + the built-in tokenizer) for tests.
+
+Each folder works with ``LLM(model=folder)`` and with ``AutoModelForCausalLM.from_pretrained``.
+Weights use ``initializer_range`` 0.1 and non-trivial norm weights and biases, so greedy argmax
+margins are not razor-thin and a mis-loaded weight shows up in the logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+from prefixserve.models.builtin import builtin_tokenizer
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def _hf_config(
+    arch: str, vocab_size: int, bos: int, eos: list[int]
+) -> transformers.PretrainedConfig:
+    common = {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 256,
+        "initializer_range": 0.1,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "rms_norm_eps": 1e-6,
+    }
+    if arch == "llama":  # GQA 2, untied, llama3 rope scaling that bites within 256 positions
+        return transformers.LlamaConfig(
+            **common,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        )
+    if arch == "qwen2":  # qkv bias, tied embeddings
+        return transformers.Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True)
+    if arch == "qwen3":  # q/k norm, head_dim != hidden / heads
+        return transformers.Qwen3Config(
+            **common, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False
+        )
+    if arch == "mistral":  # GQA 4
+        return transformers.MistralConfig(
+            **common, num_key_value_heads=1, tie_word_embeddings=False, sliding_window=None
+        )
+    raise ValueError(f"unknown test architecture {arch!r}")
+
+
+def make_checkpoint(
+    arch: str, folder: Path | str, *, seed: int = 0, max_shard_size: str | None = None
+) -> Path:
+    """Write a tiny random ``arch`` checkpoint (one of ``ARCHS``) plus tokenizer into ``folder``.
+
+    ``max_shard_size`` (e.g. ``"40KB"``) splits the weights into shards with an index file.
+    """
+    folder = Path(folder)
+    tok = builtin_tokenizer()
+    eos = [tok.convert_tokens_to_ids(t) for t in ("<|end_of_text|>", "<|im_end|>")]
+    config = _hf_config(arch, len(tok), tok.bos_token_id, eos)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(folder, **kwargs)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def load_hf_model(folder: Path | str) -> torch.nn.Module:
+    """The transformers reference model for a checkpoint folder, float32, eval mode."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
+
+
+@torch.no_grad()
+def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    """Full-sequence forward: ``[len(token_ids), vocab]`` float32 logits."""
+    return model(torch.tensor([token_ids])).logits[0].float()

@@ -1,0 +1,27 @@
+"""Test-wide setup: Triton kernels run through the interpreter on machines without a GPU.
+
+TRITON_INTERPRET is read when kernels are defined, so it must be set before any test imports
+``prefixserve.kernels``; conftest.py runs first.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Test shapes are tiny: one thread is fastest and keeps timings steady on a shared machine.
+torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

@@ -1,0 +1,204 @@
+"""Random allocate / grow / cache / fork / free / evict sequences against a model of the KV.
+
+Besides the bookkeeping invariants, the machine simulates what each physical slot holds
+(the model runner's copies, then the forward's writes) and checks that every sequence
+reads back exactly its own tokens and that every hashed block holds the KV its hash names.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from prefixserve.kv.hashing import extend_block_hashes
+from prefixserve.kv.kv_cache_manager import KVCacheManager
+
+BS = 4
+NUM_BLOCKS = 16
+SHARED_PREFIXES = [[0, 1, 2, 0] * 4, [1] * 16, [2, 2, 0, 1] * 4]
+Slot = tuple[tuple, tuple[int, ...]]  # (extra_keys, every token up to and including this one)
+
+
+@dataclass
+class Seq:
+    extra: tuple
+    tokens: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
+    num_computed: int = 0
+
+
+class KVCacheMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mgr = KVCacheManager(NUM_BLOCKS, BS, watermark=0.1)  # one block in reserve
+        self.seqs: dict[int, Seq] = {}
+        self.slots: list[list[Slot | None]] = [[None] * BS for _ in range(NUM_BLOCKS)]
+        self.next_id = 0
+        self.next_unique_token = 1000
+
+    def snapshot(self) -> tuple:
+        pool = self.mgr.pool
+        return (
+            self.mgr.stats(),
+            [(b.ref_cnt, b.block_hash) for b in pool.blocks],
+            {sid: self.mgr.get_block_table(sid) for sid in self.seqs},
+            pool.lru_block_ids(),
+        )
+
+    def forward(self, sid: int, copies: list[tuple[int, int]], end: int) -> None:
+        """Do what the model runner does: the copies, then write positions num_computed..end-1."""
+        seq = self.seqs[sid]
+        table = self.mgr.get_block_table(sid)
+        for src, dst in copies:
+            self.slots[dst] = list(self.slots[src])
+        written = range(seq.num_computed // BS, -(-end // BS)) if end > seq.num_computed else []
+        for i in written:
+            assert self.mgr.pool.blocks[table[i]].ref_cnt == 1, "a write into a shared block"
+        for pos in range(seq.num_computed, end):
+            self.slots[table[pos // BS]][pos % BS] = (seq.extra, tuple(seq.tokens[: pos + 1]))
+        seq.num_computed = end
+        extend_block_hashes(seq.tokens, BS, seq.extra, seq.hashes)
+        self.mgr.cache_full_blocks(sid, seq.tokens, seq.hashes, end)
+
+    def admit(self, tokens: list[int], extra: tuple) -> int | None:
+        sid, self.next_id = self.next_id, self.next_id + 1
+        seq = Seq(extra, list(tokens))
+        extend_block_hashes(seq.tokens, BS, extra, seq.hashes)
+        hit = self.mgr.lookup(seq.tokens, seq.hashes)
+        assert hit.num_tokens < len(tokens)
+        before = self.snapshot()
+        copies = self.mgr.allocate_slots(sid, hit.num_tokens, len(tokens) - hit.num_tokens, hit)
+        if copies is None:
+            assert self.snapshot() == before
+            return None
+        assert copies == []
+        self.seqs[sid] = seq
+        seq.num_computed = hit.num_tokens
+        self.forward(sid, copies, len(tokens))
+        return sid
+
+    def pick(self, data: st.DataObject) -> int:
+        return data.draw(st.sampled_from(sorted(self.seqs)))
+
+    @rule(
+        base=st.sampled_from(SHARED_PREFIXES),
+        cut=st.integers(0, 16),
+        tail=st.lists(st.integers(0, 2), min_size=1, max_size=8),
+        salt=st.sampled_from([None, "s"]),
+    )
+    def allocate(self, base: list[int], cut: int, tail: list[int], salt: str | None) -> None:
+        self.admit(base[:cut] + tail, (salt, None))
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), tail=st.lists(st.integers(0, 2), min_size=1, max_size=4))
+    def next_turn(self, data: st.DataObject, tail: list[int]) -> None:
+        """A new request that resends a live sequence's tokens, generated ones included."""
+        seq = self.seqs[self.pick(data)]
+        self.admit(seq.tokens + tail, seq.extra)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), new=st.lists(st.integers(0, 2), min_size=1, max_size=6))
+    def grow(self, data: st.DataObject, new: list[int]) -> None:
+        sid = self.pick(data)
+        seq = self.seqs[sid]
+        before = self.snapshot()
+        copies = self.mgr.allocate_slots(sid, seq.num_computed, len(new))
+        if copies is None:
+            assert self.snapshot() == before
+            return
+        seq.tokens.extend(new)
+        self.forward(sid, copies, len(seq.tokens))
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        parent_id = self.pick(data)
+        parent = self.seqs[parent_id]
+        child, self.next_id = self.next_id, self.next_id + 1
+        self.mgr.fork(parent_id, child)
+        self.seqs[child] = Seq(
+            parent.extra, list(parent.tokens), list(parent.hashes), parent.num_computed
+        )
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        sid = self.pick(data)
+        self.mgr.free(sid)
+        del self.seqs[sid]
+
+    @rule(length=st.integers(4, 40))
+    def pressure(self, length: int) -> None:
+        """A long unique prompt that comes and goes: forces evictions of cached blocks."""
+        tokens = list(range(self.next_unique_token, self.next_unique_token + length))
+        self.next_unique_token += length
+        sid = self.admit(tokens, (None, None))
+        if sid is not None:
+            self.mgr.free(sid)
+            del self.seqs[sid]
+
+    @rule()
+    def reset(self) -> None:
+        in_use = self.mgr.pool.num_used_blocks > 0
+        assert self.mgr.reset_prefix_cache() is not in_use
+
+    @invariant()
+    def counts_add_up(self) -> None:
+        pool = self.mgr.pool
+        assert pool.num_free_blocks + pool.num_cached_blocks + pool.num_used_blocks == NUM_BLOCKS
+        free = sum(b.ref_cnt == 0 and b.block_hash is None for b in pool.blocks)
+        assert free == pool.num_free_blocks
+
+    @invariant()
+    def ref_cnt_equals_table_entries(self) -> None:
+        entries = Counter(i for sid in self.seqs for i in self.mgr.get_block_table(sid))
+        assert [b.ref_cnt for b in self.mgr.pool.blocks] == [entries[i] for i in range(NUM_BLOCKS)]
+
+    @invariant()
+    def hash_map_and_lru_are_consistent(self) -> None:
+        pool = self.mgr.pool
+        mapped = pool.hashed_blocks()
+        assert all(b.block_hash == h for h, b in mapped.items())
+        assert {b.block_id for b in pool.blocks if b.block_hash is not None} == {
+            b.block_id for b in mapped.values()
+        }
+        lru = pool.lru_block_ids()
+        assert sorted(lru) == [
+            b.block_id for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None
+        ]
+
+    @invariant()
+    def hashed_blocks_hold_what_their_hash_names(self) -> None:
+        for block in self.mgr.pool.hashed_blocks().values():
+            content = self.slots[block.block_id]
+            extra, prefix = content[BS - 1]
+            assert prefix[-BS:] == block.token_ids
+            expected: list[int] = []
+            extend_block_hashes(prefix, BS, extra, expected)
+            assert expected[-1] == block.block_hash
+
+    @invariant()
+    def every_sequence_reads_its_own_kv(self) -> None:
+        for sid, seq in self.seqs.items():
+            table = self.mgr.get_block_table(sid)
+            assert len(table) == -(-seq.num_computed // BS)
+            for pos in range(seq.num_computed):
+                expected = (seq.extra, tuple(seq.tokens[: pos + 1]))
+                assert self.slots[table[pos // BS]][pos % BS] == expected
+
+    def teardown(self) -> None:
+        for sid in list(self.seqs):
+            self.mgr.free(sid)
+        pool = self.mgr.pool
+        assert pool.num_used_blocks == 0
+        assert all(b.ref_cnt == 0 for b in pool.blocks)
+        assert pool.num_free_blocks + pool.num_cached_blocks == NUM_BLOCKS
+        assert self.mgr.reset_prefix_cache()
+
+
+KVCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestKVCacheInvariants = KVCacheMachine.TestCase

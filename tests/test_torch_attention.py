@@ -1,0 +1,94 @@
+"""``TorchAttentionBackend`` against naive dense attention per sequence, and ``copy_blocks``."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from attn_utils import BlockAllocator, build_attn_metadata
+
+from prefixserve.attention.torch_backend import TorchAttentionBackend
+
+
+def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (n, nh, hd) are the last n positions of context k/v (L, nkv, hd); causal, loops heads."""
+    n, nh, _ = q.shape
+    length, nkv, _ = k.shape
+    out = torch.empty_like(q)
+    for h in range(nh):
+        kh, vh = k[:, h // (nh // nkv)], v[:, h // (nh // nkv)]
+        scores = q[:, h] @ kh.T * scale  # (n, L)
+        q_pos = torch.arange(length - n, length)[:, None]
+        scores = scores.masked_fill(torch.arange(length)[None, :] > q_pos, -math.inf)
+        out[:, h] = scores.softmax(-1) @ vh
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("gqa", [1, 2, 4])
+def test_matches_dense_reference(seed, block_size, gqa):
+    rng = random.Random(seed)
+    nkv, hd = 2, 16
+    nh = nkv * gqa
+    num_decodes = rng.randint(0, 3)
+    seqs = [(rng.randint(1, 40), 1) for _ in range(num_decodes)]
+    seqs += [
+        (rng.choice([0, rng.randint(0, 40)]), rng.randint(1, 30)) for _ in range(rng.randint(0, 3))
+    ]
+    if not seqs:
+        seqs = [(0, 5)]
+    num_blocks = 64
+    alloc = BlockAllocator(num_blocks, seed)
+    tables = [alloc.grow([], c + n, block_size) for c, n in seqs]
+    gen = torch.Generator().manual_seed(seed)
+    # Garbage (finite) everywhere: masked slots and partial last blocks must not leak in.
+    kv_cache = torch.randn(2, num_blocks, block_size, nkv, hd, generator=gen)
+    ctx_k = [torch.randn(c + n, nkv, hd, generator=gen) for c, n in seqs]
+    ctx_v = [torch.randn(c + n, nkv, hd, generator=gen) for c, n in seqs]
+    for (c, _), table, k, v in zip(seqs, tables, ctx_k, ctx_v):
+        for p in range(c):
+            kv_cache[0, table[p // block_size], p % block_size] = k[p]
+            kv_cache[1, table[p // block_size], p % block_size] = v[p]
+    _, md = build_attn_metadata(seqs, tables, block_size)
+    query = torch.randn(sum(n for _, n in seqs), nh, hd, generator=gen)
+    key = torch.cat([k[c:] for (c, _), k in zip(seqs, ctx_k)])
+    value = torch.cat([v[c:] for (c, _), v in zip(seqs, ctx_v)])
+    scale = hd**-0.5
+    out = TorchAttentionBackend().forward(query, key, value, kv_cache, md, scale)
+    starts = md.query_start_loc.tolist()
+    for i, (c, n) in enumerate(seqs):
+        ref = _dense(query[starts[i] : starts[i + 1]], ctx_k[i], ctx_v[i], scale)
+        torch.testing.assert_close(out[starts[i] : starts[i + 1]], ref, atol=1e-5, rtol=1e-5)
+        for p in range(c + n):  # the cache now holds the whole context
+            slot = (tables[i][p // block_size], p % block_size)
+            assert torch.equal(kv_cache[0][slot], ctx_k[i][p])
+            assert torch.equal(kv_cache[1][slot], ctx_v[i][p])
+
+
+def test_slot_minus_one_is_not_written():
+    block_size, nkv, hd = 8, 2, 4
+    kv_cache = torch.randn(2, 4, block_size, nkv, hd)
+    before = kv_cache.clone()
+    _, md = build_attn_metadata([(0, 3), (0, 2)], [[1], [2]], block_size)
+    md.slot_mapping[3:] = -1  # the second sequence's tokens are padding
+    key, value = torch.randn(5, nkv, hd), torch.randn(5, nkv, hd)
+    out = TorchAttentionBackend().forward(torch.randn(5, nkv, hd), key, value, kv_cache, md, 0.5)
+    assert out.shape == (5, nkv, hd)
+    assert torch.equal(kv_cache[0, 1, :3], key[:3]) and torch.equal(kv_cache[1, 1, :3], value[:3])
+    written = torch.zeros(4, block_size, dtype=torch.bool)
+    written[1, :3] = True
+    assert torch.equal(kv_cache[:, ~written], before[:, ~written])
+
+
+def test_copy_blocks_copies_every_layer_and_kv():
+    kv_caches = torch.randn(3, 2, 6, 4, 2, 8)
+    before = kv_caches.clone()
+    src, dst = torch.tensor([0, 2, 2]), torch.tensor([1, 3, 5])
+    TorchAttentionBackend().copy_blocks(kv_caches, src, dst)
+    for s, d in zip(src.tolist(), dst.tolist()):
+        assert torch.equal(kv_caches[:, :, d], before[:, :, s])
+    untouched = [0, 2, 4]
+    assert torch.equal(kv_caches[:, :, untouched], before[:, :, untouched])
