@@ -1,9 +1,11 @@
-"""Command line: ``prefixserve demo`` runs a short offline demo of prefix sharing."""
+"""Command line: ``prefixserve serve`` runs the OpenAI-compatible server; ``prefixserve demo`` runs a
+short offline demo of prefix sharing."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 
 
@@ -70,14 +72,52 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use in 'model' (default: the model's name)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("PREFIXSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $PREFIXSERVE_API_KEY)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=["hermes"],
+        default=None,
+        help="parse <tool_call> output into message.tool_calls",
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from prefixserve.api.server import ServerConfig, run_server
+
+    config = ServerConfig(
+        served_model_names=list(args.served_model_name or []),
+        api_key=args.api_key or None,
+        tool_call_parser=args.tool_call_parser,
+    )
+    return run_server(engine_kwargs(args), args.host, args.port, config, args.log_level)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prefixserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="offline demo of prefix sharing on the built-in model")
     _add_engine_args(demo)
     demo.add_argument("--max-tokens", type=int, default=16)
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    _add_engine_args(serve)
+    _add_serve_args(serve)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        return run_serve(args)
     if args.command == "demo":
         return run_demo(args)
     parser.error(f"unknown command {args.command}")

@@ -45,6 +45,21 @@ class EngineCounters:
     num_steps: int = 0
 
 
+@dataclass
+class StepTimes:
+    """Cumulative wall time of ``step()`` by phase, in seconds (``benchmarks/step_profile.py``).
+
+    ``prepare`` and ``forward`` are measured inside the model runner; on CUDA, ``forward`` ends when
+    the sampler first reads its results back, so part of it may show up under ``sample``.
+    """
+
+    schedule: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    output: float = 0.0
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -63,6 +78,7 @@ class LLMEngine:
         self.beam_stepper = BeamSearchStepper(self)
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
+        self.step_times = StepTimes()
         self._seq_ids = itertools.count()
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -215,11 +231,16 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        times = self.step_times
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
         block_tables = {s.seq.seq_id: self.kv.get_block_table(s.seq.seq_id) for s in out.scheduled}
-        samplers, logits = self.runner.execute(out, block_tables)
+        t1 = time.perf_counter()
+        times.schedule += t1 - t0
+        samplers, logits = self.runner.execute(out, block_tables, times)
+        t2 = time.perf_counter()
         self.scheduler.update_computed(out)
         self.counters.num_steps += 1
         self.counters.computed_prompt_tokens += sum(
@@ -246,12 +267,15 @@ class LLMEngine:
             self._sample_and_append(rows, logits)
         for rid, group_rows in beam_rows.items():
             self.beam_stepper.step(self.requests[rid], group_rows, logits)
+        t3 = time.perf_counter()
+        times.sample += t3 - t2
         outputs = []
         for request in touched.values():
             if all(s.is_finished for s in request.seqs) and not request.is_finished:
                 self.scheduler.finish_request(request)
                 self.requests.pop(request.request_id, None)
             outputs.append(self._make_output(request))
+        times.output += time.perf_counter() - t3
         return outputs
 
     def _fork_if_first_sample(self, request: Request, sched: ScheduledSeq) -> list[Sequence]:

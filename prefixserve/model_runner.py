@@ -8,6 +8,8 @@ only at the last token of every sequence that samples.
 from __future__ import annotations
 
 import logging
+import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +19,9 @@ from prefixserve.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
 from prefixserve.errors import CacheCapacityError, InvalidArgumentError
 from prefixserve.models.loader import load_model
 from prefixserve.scheduler import ScheduledSeq, SchedulerOutput
+
+if TYPE_CHECKING:
+    from prefixserve.engine import StepTimes
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +91,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, out: SchedulerOutput, block_tables: dict[int, list[int]]
+        self, out: SchedulerOutput, block_tables: dict[int, list[int]], times: StepTimes
     ) -> tuple[list[ScheduledSeq], torch.Tensor]:
-        """Run one step. Returns the sequences that sample, in order, and their logits ``[n, V]``."""
+        """Run one step. Returns the sequences that sample, in order, and their logits ``[n, V]``.
+
+        Adds the time spent building inputs and running the model to ``times``.
+        """
+        t0 = time.perf_counter()
         if out.block_copies:
             src, dst = zip(*out.block_copies)
             self.attn_backend.copy_blocks(
@@ -100,8 +109,12 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows, samplers = self._prepare_inputs(
             batch, block_tables
         )
+        t1 = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         logits = self.model.compute_logits(hidden[sample_rows])
+        t2 = time.perf_counter()
+        times.prepare += t1 - t0
+        times.forward += t2 - t1
         return samplers, logits
 
     def _prepare_inputs(self, batch: list[ScheduledSeq], block_tables: dict[int, list[int]]):

@@ -1,0 +1,233 @@
+"""Runs an ``LLMEngine`` in one background thread and serves it to asyncio handlers.
+
+Threads and ownership::
+
+    event loop (handlers)                       engine thread (sole owner of the LLMEngine)
+    add()   --> _pending adds  ------------->   engine.add_request  -> accepted | error
+    abort() --> _pending aborts ------------>   engine.abort_request (between steps)
+    RequestStream.queue  <-- call_soon_threadsafe --  engine.step() outputs, one batch per step
+    snapshot() <------------- lock-protected copy of the engine's stats, published every step
+
+Invariants: only the engine thread touches the engine; handlers never block on it (they await
+their stream's queue); every stream receives exactly one terminal item (a finished output, an
+error, or the engine's death). If the loop raises, ``dead`` holds the error, every live stream is
+failed, and ``on_death`` is called so the server can stop and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from prefixserve.engine import LLMEngine
+from prefixserve.outputs import RequestOutput
+from prefixserve.sampling_params import BeamSearchParams, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an internal error; no request can be served any more."""
+
+
+@dataclass
+class RequestStream:
+    """Outputs of one request, in order; the last item is a finished output or an exception."""
+
+    request_id: str
+    accepted: asyncio.Future
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            item = await self.queue.get()
+            while not self.queue.empty() and isinstance(item, RequestOutput) and not item.finished:
+                item = self.queue.get_nowait()  # outputs are cumulative: skip to the latest
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            self.finished = item.finished
+            yield item
+
+
+@dataclass
+class EngineSnapshot:
+    """A consistent copy of engine figures, safe to read from any thread."""
+
+    cache: dict
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+
+
+StepObserver = Callable[[list[RequestOutput], dict[str, float], float], None]
+
+
+class AsyncEngine:
+    """Owner of the engine thread. ``observer(outputs, arrival_times, now)`` runs on that thread."""
+
+    def __init__(self, engine: LLMEngine, observer: StepObserver | None = None) -> None:
+        self.engine = engine
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+        self.tokenizer = engine.tokenizer
+        self.observer = observer
+        self.on_death: Callable[[BaseException], None] | None = None
+        self.dead: BaseException | None = None
+        self._cond = threading.Condition()
+        self._adds: list[
+            tuple[RequestStream, str | list[int], SamplingParams | BeamSearchParams]
+        ] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, RequestStream] = {}
+        self._arrivals: dict[str, float] = {}
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._snapshot = self._take_snapshot()
+
+    # ---- event-loop side ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="prefixserve-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    async def add(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | BeamSearchParams
+    ) -> RequestStream:
+        """Queue a request; returns its stream once the engine accepted it, else raises its error."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine is not running: {self.dead!r}")
+        stream = RequestStream(request_id, asyncio.get_running_loop().create_future())
+        with self._cond:
+            self._adds.append((stream, prompt, params))
+            self._cond.notify()
+        try:
+            await stream.accepted  # raises the engine's typed error if add_request refused it
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Ask the engine thread to abort; applied before its next step. Unknown ids are ignored."""
+        with self._cond:
+            self._aborts.append(request_id)
+            self._cond.notify()
+
+    def snapshot(self) -> EngineSnapshot:
+        with self._cond:
+            return self._snapshot
+
+    # ---- engine-thread side ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (
+                        self._adds
+                        or self._aborts
+                        or self._stopping
+                        or self.engine.has_unfinished_requests()
+                    ):
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                    adds, self._adds = self._adds, []
+                    aborts, self._aborts = self._aborts, []
+                for stream, prompt, params in adds:
+                    self._add(stream, prompt, params)
+                finals = [o for o in map(self.engine.abort_request, aborts) if o is not None]
+                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                self._publish(finals + outputs)
+        except BaseException as exc:
+            logger.exception("engine loop died")
+            self._die(exc)
+
+    def _add(self, stream: RequestStream, prompt, params) -> None:
+        try:
+            self.engine.add_request(stream.request_id, prompt, params)
+        except Exception as exc:
+            self._loop.call_soon_threadsafe(_settle, stream.accepted, exc)
+            return
+        self._streams[stream.request_id] = stream
+        self._arrivals[stream.request_id] = time.monotonic()
+        self._loop.call_soon_threadsafe(_settle, stream.accepted, None)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        if self.observer is not None and outputs:
+            self.observer(outputs, self._arrivals, now)
+        deliveries = []
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                self._streams.pop(output.request_id, None)
+                self._arrivals.pop(output.request_id, None)
+            deliveries.append((stream, output))
+        snapshot = self._take_snapshot()
+        with self._cond:
+            self._snapshot = snapshot
+        if deliveries:
+            self._loop.call_soon_threadsafe(_deliver, deliveries)
+
+    def _take_snapshot(self) -> EngineSnapshot:
+        engine = self.engine
+        return EngineSnapshot(
+            cache=dict(engine.cache_stats()),
+            prompt_tokens=engine.counters.prompt_tokens,
+            generation_tokens=engine.counters.generation_tokens,
+            num_running=len(engine.scheduler.running),
+            num_waiting=len(engine.scheduler.waiting),
+            num_preemptions=engine.scheduler.num_preemptions,
+            num_steps=engine.counters.num_steps,
+        )
+
+    def _die(self, exc: BaseException) -> None:
+        self.dead = exc
+        error = EngineDeadError(f"the engine loop died: {exc!r}")
+        streams = list(self._streams.values())
+        self._streams.clear()
+        with self._cond:
+            pending = [s for s, _, _ in self._adds]
+            self._adds.clear()
+        if self._loop is None or self._loop.is_closed():
+            return
+        self._loop.call_soon_threadsafe(_deliver, [(s, error) for s in streams])
+        for stream in pending:
+            self._loop.call_soon_threadsafe(_settle, stream.accepted, error)
+        if self.on_death is not None:
+            self._loop.call_soon_threadsafe(self.on_death, exc)
+
+
+def _settle(future: asyncio.Future, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is None:
+        future.set_result(None)
+    else:
+        future.set_exception(exc)
+
+
+def _deliver(deliveries: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+    for stream, item in deliveries:
+        stream.queue.put_nowait(item)

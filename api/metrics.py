@@ -1,0 +1,164 @@
+"""Prometheus metrics of one server (one registry per app; nothing module-global).
+
+Engine totals (prefix-cache tokens, blocks, evictions, copies, queue sizes, token counts) are read
+at scrape time from the engine thread's latest snapshot by a custom collector, so they equal the
+engine's own figures exactly. Latency histograms and per-finish-reason successes are observed on
+the engine thread as outputs come out of ``step()``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+
+from prefixserve.api.async_engine import EngineSnapshot
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from prefixserve.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+RECENT_TTFT = 64
+
+
+class _EngineCollector(Collector):
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self.model_name = model_name
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot()
+        cache, label = s.cache, [self.model_name]
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(label, value)
+            return family
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(label, value)
+            return family
+
+        yield counter(
+            "prefixserve_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            cache["prefix_cache_queries"],
+        )
+        yield counter(
+            "prefixserve_prefix_cache_hits",
+            "Prompt tokens served from the prefix cache.",
+            cache["prefix_cache_hits"],
+        )
+        used_ratio = cache["used_blocks"] / cache["num_blocks"] if cache["num_blocks"] else 0.0
+        yield gauge(
+            "prefixserve_kv_cache_usage_ratio",
+            "Fraction of KV blocks referenced by requests.",
+            used_ratio,
+        )
+        blocks = GaugeMetricFamily(
+            "prefixserve_kv_blocks", "KV blocks by state.", labels=["model_name", "state"]
+        )
+        for state in ("free", "cached", "used"):
+            blocks.add_metric([self.model_name, state], cache[f"{state}_blocks"])
+        yield blocks
+        yield counter(
+            "prefixserve_kv_evictions", "Cached KV blocks evicted for reuse.", cache["evictions"]
+        )
+        yield counter(
+            "prefixserve_kv_cow_copies", "Copy-on-write block copies.", cache["cow_copies"]
+        )
+        yield gauge(
+            "prefixserve_num_requests_running", "Requests in the running batch.", s.num_running
+        )
+        yield gauge(
+            "prefixserve_num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting
+        )
+        yield counter("prefixserve_num_preemptions", "Preemptions (recompute).", s.num_preemptions)
+        yield counter("prefixserve_prompt_tokens", "Prompt tokens received.", s.prompt_tokens)
+        yield counter("prefixserve_generation_tokens", "Tokens generated.", s.generation_tokens)
+
+
+class ServerMetrics:
+    """Per-app metrics. ``observe_step`` runs on the engine thread; the rest on the event loop."""
+
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(model_name, snapshot))
+        self.success = Counter(
+            "prefixserve_request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finish_reason"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "prefixserve_time_to_first_token_seconds",
+            "Time to first token.",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "prefixserve_inter_token_latency_seconds",
+            "Time between output tokens.",
+            ["model_name"],
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "prefixserve_e2e_request_latency_seconds",
+            "Request latency.",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._lock = threading.Lock()
+        self._recent_ttft: deque[float] = deque(maxlen=RECENT_TTFT)
+        self._last_token: dict[str, tuple[float, int]] = {}  # request id -> (time, tokens so far)
+
+    def observe_step(
+        self, outputs: list[RequestOutput], arrivals: dict[str, float], now: float
+    ) -> None:
+        for out in outputs:
+            rid = out.request_id
+            arrival = arrivals.get(rid)
+            if arrival is None:
+                continue
+            num_tokens = sum(len(c.token_ids) for c in out.outputs)
+            last = self._last_token.get(rid)
+            if last is None and num_tokens > 0:
+                self.ttft.labels(self.model_name).observe(now - arrival)
+                with self._lock:
+                    self._recent_ttft.append(now - arrival)
+            elif last is not None and num_tokens > last[1]:
+                self.itl.labels(self.model_name).observe(now - last[0])
+            if num_tokens > 0:
+                self._last_token[rid] = (now, num_tokens)
+            if out.finished:
+                self._last_token.pop(rid, None)
+                reason = out.outputs[0].finish_reason if out.outputs else None
+                if reason is not None and reason != "abort":
+                    self.success.labels(self.model_name, reason).inc()
+                    self.e2e.labels(self.model_name).observe(now - arrival)
+
+    def recent_ttft(self) -> list[float]:
+        with self._lock:
+            return list(self._recent_ttft)
+
+    def ttft_totals(self) -> tuple[float, float]:
+        """(sum of seconds, count) of every time to first token observed."""
+        sample_sum = sample_count = 0.0
+        for metric in self.ttft.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_sum"):
+                    sample_sum = sample.value
+                elif sample.name.endswith("_count"):
+                    sample_count = sample.value
+        return sample_sum, sample_count
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
