@@ -1,5 +1,10 @@
 """Command line: ``prefixserve serve`` runs the OpenAI-compatible server; ``prefixserve demo`` runs a
-short offline demo of prefix sharing."""
+short offline demo of prefix sharing.
+
+Test-only fault injection: ``PREFIXSERVE_FAULT_INJECT=step_after:N`` (read here at startup, nowhere
+else) makes the served engine's ``step`` raise after N successful steps, so that tests can watch
+the server die cleanly (/health 503, exit code 1).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,35 @@ import argparse
 import logging
 import os
 import time
+
+FAULT_INJECT_ENV = "PREFIXSERVE_FAULT_INJECT"
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a fault-injected ``step`` (``PREFIXSERVE_FAULT_INJECT``)."""
+
+
+def fault_injector(spec: str):
+    """The engine hook for ``step_after:N``: wraps ``engine.step`` to raise after N steps."""
+    kind, _, value = spec.partition(":")
+    if kind != "step_after" or not value.isdigit():
+        raise SystemExit(f"{FAULT_INJECT_ENV}: expected 'step_after:N', got {spec!r}")
+    limit = int(value)
+
+    def hook(engine) -> None:
+        step = engine.step
+        calls = 0
+
+        def failing_step():
+            nonlocal calls
+            calls += 1
+            if calls > limit:
+                raise InjectedFault(f"injected fault after {limit} steps ({FAULT_INJECT_ENV})")
+            return step()
+
+        engine.step = failing_step
+
+    return hook
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -92,6 +126,41 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="parse <tool_call> output into message.tool_calls",
     )
+    from prefixserve.api.server import (
+        DEFAULT_MAX_REQUEST_BODY_BYTES,
+        DEFAULT_MAX_WAITING_REQUESTS,
+        DEFAULT_SHUTDOWN_GRACE_SECONDS,
+    )
+
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=DEFAULT_MAX_WAITING_REQUESTS,
+        help="requests allowed to wait for the engine; past it new ones get 503 + Retry-After",
+    )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="larger request bodies get 413",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may run before it is aborted with 408 (default: no limit)",
+    )
+    p.add_argument(
+        "--shutdown-grace-seconds",
+        type=float,
+        default=DEFAULT_SHUTDOWN_GRACE_SECONDS,
+        help="on SIGTERM, how long requests in flight may finish before they are aborted",
+    )
+    p.add_argument(
+        "--require-cache-salt",
+        action="store_true",
+        help="refuse requests without a cache_salt (one prefix-cache namespace per tenant)",
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -101,11 +170,21 @@ def run_serve(args: argparse.Namespace) -> int:
         served_model_names=list(args.served_model_name or []),
         api_key=args.api_key or None,
         tool_call_parser=args.tool_call_parser,
+        max_waiting_requests=args.max_waiting_requests,
+        max_request_body_bytes=args.max_request_body_bytes,
+        request_timeout=args.request_timeout,
+        shutdown_grace_seconds=args.shutdown_grace_seconds,
+        require_cache_salt=args.require_cache_salt,
     )
-    return run_server(engine_kwargs(args), args.host, args.port, config, args.log_level)
+    fault = os.environ.get(FAULT_INJECT_ENV)
+    hook = fault_injector(fault) if fault else None
+    return run_server(
+        engine_kwargs(args), args.host, args.port, config, args.log_level, engine_hook=hook
+    )
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``prefixserve`` argument parser (``demo`` and ``serve`` subcommands)."""
     parser = argparse.ArgumentParser(prog="prefixserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="offline demo of prefix sharing on the built-in model")
@@ -114,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     _add_engine_args(serve)
     _add_serve_args(serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.command == "serve":

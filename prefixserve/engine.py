@@ -263,20 +263,54 @@ class LLMEngine:
         for request in touched.values():
             if request.first_token_time is None:
                 request.first_token_time = now
+        failed: dict[str, str] = {}
+        rows = self._drop_non_finite(rows, logits, failed)
         if rows:
-            self._sample_and_append(rows, logits)
+            self._sample_and_append(rows, logits, failed)
         for rid, group_rows in beam_rows.items():
-            self.beam_stepper.step(self.requests[rid], group_rows, logits)
+            try:
+                self.beam_stepper.step(touched[rid], group_rows, logits)
+            except Exception as exc:
+                failed[rid] = _describe(exc, "beam search")
         t3 = time.perf_counter()
         times.sample += t3 - t2
         outputs = []
         for request in touched.values():
+            if request.request_id in failed:
+                outputs.append(self._fail_request(request, failed[request.request_id]))
+                continue
             if all(s.is_finished for s in request.seqs) and not request.is_finished:
                 self.scheduler.finish_request(request)
                 self.requests.pop(request.request_id, None)
             outputs.append(self._make_output(request))
         times.output += time.perf_counter() - t3
         return outputs
+
+    def _fail_request(self, request: Request, message: str) -> RequestOutput:
+        """One request's processing failed: finish it with an error; the batch carries on."""
+        logger.error("request %s failed: %s", request.request_id, message)
+        for seq in request.live_seqs():
+            seq.finish_reason = "abort"
+        if not request.is_finished:
+            self.scheduler.finish_request(request)
+        self.requests.pop(request.request_id, None)
+        output = self._make_output(request)
+        output.error = message
+        return output
+
+    @staticmethod
+    def _drop_non_finite(
+        rows: list[tuple[Request, Sequence, int]], logits: torch.Tensor, failed: dict[str, str]
+    ) -> list[tuple[Request, Sequence, int]]:
+        """Rows whose logits hold NaN or inf fail their request instead of poisoning sampling."""
+        finite = torch.isfinite(logits).all(dim=-1)
+        if bool(finite.all()):
+            return rows
+        bad = set((~finite).nonzero().flatten().tolist())
+        for request, _, i in rows:
+            if i in bad:
+                failed[request.request_id] = "the model produced non-finite logits"
+        return [row for row in rows if row[0].request_id not in failed]
 
     def _fork_if_first_sample(self, request: Request, sched: ScheduledSeq) -> list[Sequence]:
         """The prompt of an n>1 request is computed once; its n samples fork from it here."""
@@ -294,8 +328,29 @@ class LLMEngine:
         return [seq, *children]
 
     def _sample_and_append(
-        self, rows: list[tuple[Request, Sequence, int]], logits: torch.Tensor
+        self,
+        rows: list[tuple[Request, Sequence, int]],
+        logits: torch.Tensor,
+        failed: dict[str, str],
     ) -> None:
+        """Sample every row in one batch; if that raises, retry request by request to isolate it."""
+        try:
+            result = self._sample(rows, logits)
+        except Exception:
+            by_request: dict[str, list[tuple[Request, Sequence, int]]] = {}
+            for row in rows:
+                by_request.setdefault(row[0].request_id, []).append(row)
+            for rid, group in by_request.items():
+                try:
+                    self._append_sampled(group, self._sample(group, logits), failed)
+                except Exception as exc:
+                    failed[rid] = _describe(exc, "sampling")
+            return
+        self._append_sampled(rows, result, failed)
+
+    def _sample(
+        self, rows: list[tuple[Request, Sequence, int]], logits: torch.Tensor
+    ) -> SamplerOutput:
         params = [r.params for r, _, _ in rows]
         seqs = [s for _, s, _ in rows]
         index = torch.tensor([i for _, _, i in rows], dtype=torch.int64, device=logits.device)
@@ -308,8 +363,7 @@ class LLMEngine:
             banned_token_ids=[self._banned_tokens(p, s) for p, s in zip(params, seqs)],
             device=logits.device,
         )
-        result = self.sampler(row_logits, metadata)
-        self._append_sampled(rows, result)
+        return self.sampler(row_logits, metadata)
 
     def _banned_tokens(self, params: SamplingParams, seq: Sequence) -> list[int]:
         if seq.num_output_tokens >= params.min_tokens:
@@ -320,27 +374,46 @@ class LLMEngine:
         return banned
 
     def _append_sampled(
-        self, rows: list[tuple[Request, Sequence, int]], result: SamplerOutput
+        self,
+        rows: list[tuple[Request, Sequence, int]],
+        result: SamplerOutput,
+        failed: dict[str, str],
     ) -> None:
         token_ids = result.sampled_token_ids.tolist()
         sampled_lps = result.sampled_logprobs.tolist()
         topk_ids = result.topk_token_ids.tolist() if result.topk_token_ids is not None else None
         topk_lps = result.topk_logprobs.tolist() if result.topk_logprobs is not None else None
         for j, (request, seq, _) in enumerate(rows):
-            token = token_ids[j]
-            self.scheduler.append_token(request, seq, token)
-            self.counters.generation_tokens += 1
-            seq.cumulative_logprob += sampled_lps[j]
-            if seq.logprobs is not None:
-                k = request.params.logprobs
-                entry = {token: sampled_lps[j]}
-                if k and topk_ids is not None:
-                    for tid, lp in zip(topk_ids[j][:k], topk_lps[j][:k]):
-                        entry.setdefault(tid, lp)
-                seq.logprobs.append(entry)
-            self._check_stop(request, seq, token)
-            if seq.is_finished:
-                self.scheduler.free_seq(seq)
+            if request.request_id in failed:
+                continue
+            topk = (
+                list(zip(topk_ids[j], topk_lps[j])) if seq.logprobs is not None and topk_ids else []
+            )
+            try:
+                self._append_one(request, seq, token_ids[j], sampled_lps[j], topk)
+            except Exception as exc:
+                failed[request.request_id] = _describe(exc, "output processing")
+
+    def _append_one(
+        self,
+        request: Request,
+        seq: Sequence,
+        token: int,
+        logprob: float,
+        topk: list[tuple[int, float]],
+    ) -> None:
+        """Append a sampled token with its logprobs, then check the stop conditions."""
+        self.scheduler.append_token(request, seq, token)
+        self.counters.generation_tokens += 1
+        seq.cumulative_logprob += logprob
+        if seq.logprobs is not None:
+            entry = {token: logprob}
+            for tid, lp in topk[: request.params.logprobs]:
+                entry.setdefault(tid, lp)
+            seq.logprobs.append(entry)
+        self._check_stop(request, seq, token)
+        if seq.is_finished:
+            self.scheduler.free_seq(seq)
 
     def _check_stop(self, request: Request, seq: Sequence, token: int) -> None:
         params: SamplingParams = request.params  # type: ignore[assignment]
@@ -394,3 +467,7 @@ class LLMEngine:
 def _derive_seed(seed: int, index: int) -> int:
     """Sample ``index`` of a seeded request gets its own stream; sample 0 uses the seed itself."""
     return seed if index == 0 else (seed * 1_000_003 + index) % (2**63)
+
+
+def _describe(exc: Exception, stage: str) -> str:
+    return f"internal error in {stage}: {type(exc).__name__}: {exc}"

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Sequences sharing at least this many leading tokens of KV attend to them once, as a group.
+MIN_SHARED_PREFIX_TOKENS = 64
 
 
 def resolve_device(name: str) -> torch.device:
@@ -160,8 +161,39 @@ class ModelRunner:
             num_decode_tokens=num_decodes,
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
+            prefix_groups=_prefix_groups(tables, [s - q for s, q in zip(seq_lens, query_lens)], bs),
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=dev)
         return ids, pos, meta, rows, samplers
+
+
+def _prefix_groups(
+    tables: list[list[int]], context_starts: list[int], block_size: int
+) -> list[tuple[list[int], int]]:
+    """Group the batch's sequences whose block tables start with the same blocks.
+
+    A group's shared blocks lie wholly before every member's first query token
+    (``context_starts``), so each member sees all of them; groups of one are dropped.
+    """
+    by_first: dict[int, list[int]] = {}
+    for i, table in enumerate(tables):
+        by_first.setdefault(table[0], []).append(i)
+    min_blocks = -(-MIN_SHARED_PREFIX_TOKENS // block_size)
+    groups = []
+    for candidates in by_first.values():
+        # a member still computing the shared blocks themselves cannot join
+        members = [i for i in candidates if context_starts[i] >= min_blocks * block_size]
+        if len(members) < 2:
+            continue
+        limit = min(context_starts[i] for i in members) // block_size
+        ref = tables[members[0]][:limit]
+        shared = len(ref)
+        for i in members[1:]:
+            other = tables[i][:shared]
+            if other != ref[:shared]:
+                shared = next(k for k, (a, b) in enumerate(zip(ref, other)) if a != b)
+        if shared >= min_blocks:
+            groups.append((members, shared))
+    return groups

@@ -256,3 +256,77 @@ def test_bad_prompts_raise_and_leave_the_engine_clean(tiny_llm):
     assert not tiny_llm.llm_engine.has_unfinished_requests()
     _assert_no_block_in_use(tiny_llm)
     assert tiny_llm.generate([[1, 2, 3]], _greedy(), use_tqdm=False)[0].outputs[0].token_ids
+
+
+# ---- one request's fault fails that request only ------------------------------------------
+
+
+def _run_all(engine) -> dict:
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+def _fault_case(tiny_llm, inject, bad_params: SamplingParams | None = None) -> dict:
+    engine = tiny_llm.llm_engine
+    for rid in ("ok-1", "bad", "ok-2"):
+        params = bad_params if rid == "bad" and bad_params is not None else _greedy()
+        engine.add_request(rid, list(range(5, 30)), params)
+    inject(engine)
+    finals = _run_all(engine)
+    _assert_no_block_in_use(tiny_llm)
+    assert finals["bad"].error and finals["bad"].finished
+    for rid in ("ok-1", "ok-2"):
+        assert finals[rid].error is None and len(finals[rid].outputs[0].token_ids) == MAX_NEW
+    return finals
+
+
+def test_a_detokenizer_failure_fails_only_its_request(tiny_llm, monkeypatch):
+    def inject(engine):
+        def boom(token_ids):
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+
+        monkeypatch.setattr(engine.requests["bad"].seqs[0].detokenizer, "update", boom)
+
+    finals = _fault_case(tiny_llm, inject)
+    assert "output processing" in finals["bad"].error
+
+
+def test_nan_logits_fail_only_their_request(tiny_llm, monkeypatch):
+    def inject(engine):
+        execute = engine.runner.execute
+
+        def poisoned(out, tables, times):
+            samplers, logits = execute(out, tables, times)
+            logits = logits.clone()
+            for i, sched in enumerate(samplers):
+                if sched.request.request_id == "bad":
+                    logits[i] = float("nan")
+            return samplers, logits
+
+        monkeypatch.setattr(engine.runner, "execute", poisoned)
+
+    finals = _fault_case(tiny_llm, inject)
+    assert "non-finite" in finals["bad"].error
+
+
+def test_a_sampler_failure_fails_only_its_request(tiny_llm, monkeypatch):
+    """The batched sampler raises; the engine retries request by request and isolates the fault."""
+
+    def inject(engine):
+        sampler = engine.sampler
+
+        def fragile(logits, metadata):
+            if metadata.presence_penalty is not None and bool(
+                (metadata.presence_penalty == 0.5).any()
+            ):
+                raise RuntimeError("injected sampler fault")
+            return sampler(logits, metadata)
+
+        monkeypatch.setattr(engine, "sampler", fragile)
+
+    finals = _fault_case(tiny_llm, inject, bad_params=_greedy(presence_penalty=0.5))
+    assert "sampling" in finals["bad"].error

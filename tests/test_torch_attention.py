@@ -92,3 +92,62 @@ def test_copy_blocks_copies_every_layer_and_kv():
         assert torch.equal(kv_caches[:, :, d], before[:, :, s])
     untouched = [0, 2, 4]
     assert torch.equal(kv_caches[:, :, untouched], before[:, :, untouched])
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("gqa", [1, 4])
+def test_prefix_groups_match_dense_reference(seed, gqa):
+    """Cascade attention: members share leading blocks (one physical copy); results equal the
+    dense reference, and equal the same batch run without groups."""
+    from prefixserve.model_runner import _prefix_groups
+
+    rng = random.Random(seed)
+    bs, nkv, hd = 8, 2, 16
+    nh = nkv * gqa
+    shared_len = bs * rng.randint(8, 12)  # >= MIN_SHARED_PREFIX_TOKENS
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 128
+    kv_cache = torch.randn(2, num_blocks, bs, nkv, hd, generator=gen)
+    shared_k = torch.randn(shared_len, nkv, hd, generator=gen)
+    shared_v = torch.randn(shared_len, nkv, hd, generator=gen)
+    shared_blocks = list(range(shared_len // bs))
+    for p in range(shared_len):
+        kv_cache[0, shared_blocks[p // bs], p % bs] = shared_k[p]
+        kv_cache[1, shared_blocks[p // bs], p % bs] = shared_v[p]
+    # decodes and prefill chunks hanging off the shared prefix, plus one unrelated sequence
+    seqs = [(shared_len + rng.randint(0, 20), 1) for _ in range(3)]
+    seqs += [(shared_len + rng.randint(0, 9), rng.randint(2, 12)) for _ in range(2)]
+    seqs.append((rng.randint(0, 20), rng.randint(1, 9)))
+    next_block = len(shared_blocks)
+    tables, ctx_k, ctx_v = [], [], []
+    for i, (c, n) in enumerate(seqs):
+        own = c + n - (shared_len if i < 5 else 0)
+        nb = -(-own // bs)
+        table = (shared_blocks if i < 5 else []) + list(range(next_block, next_block + nb))
+        next_block += nb
+        k = torch.randn(c + n, nkv, hd, generator=gen)
+        v = torch.randn(c + n, nkv, hd, generator=gen)
+        if i < 5:
+            k[:shared_len], v[:shared_len] = shared_k, shared_v
+        for p in range(shared_len if i < 5 else 0, c):
+            kv_cache[0, table[p // bs], p % bs] = k[p]
+            kv_cache[1, table[p // bs], p % bs] = v[p]
+        tables.append(table)
+        ctx_k.append(k)
+        ctx_v.append(v)
+    _, md = build_attn_metadata(seqs, tables, bs)
+    md.prefix_groups = _prefix_groups(tables, [c for c, _ in seqs], bs)
+    assert md.prefix_groups == [([0, 1, 2, 3, 4], shared_len // bs)]
+    query = torch.randn(sum(n for _, n in seqs), nh, hd, generator=gen)
+    key = torch.cat([k[c:] for (c, _), k in zip(seqs, ctx_k)])
+    value = torch.cat([v[c:] for (c, _), v in zip(seqs, ctx_v)])
+    scale = hd**-0.5
+    out = TorchAttentionBackend().forward(query, key, value, kv_cache.clone(), md, scale)
+    md.prefix_groups = []
+    plain = TorchAttentionBackend().forward(query, key, value, kv_cache.clone(), md, scale)
+    start = 0
+    for (c, n), k, v in zip(seqs, ctx_k, ctx_v):
+        ref = _dense(query[start : start + n], k, v, scale)
+        torch.testing.assert_close(out[start : start + n], ref, rtol=1e-4, atol=1e-5)
+        start += n
+    torch.testing.assert_close(out, plain, rtol=1e-4, atol=1e-5)

@@ -18,8 +18,9 @@ whole cache is ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +33,7 @@ class AttentionMetadata:
     ``block_tables`` is padded with 0 past each sequence's last block. The first ``num_decodes``
     sequences have exactly one query token each and make up the first ``num_decode_tokens``
     tokens. ``query_lens_cpu`` / ``seq_lens_cpu`` are host copies for backends that need them.
+    ``prefix_groups`` names sequences that share leading blocks (see ``TorchAttentionBackend``).
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64
@@ -44,10 +46,18 @@ class AttentionMetadata:
     num_decode_tokens: int
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Cascade attention hints: (member sequence indices, m) where every member's block table
+    # starts with the same m blocks and every member's queries come after them. Backends that do
+    # not use them stay correct; they only save recomputing attention over a shared prefix.
+    prefix_groups: list[tuple[list[int], int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    @property
+    def query_start_loc_cpu(self) -> list[int]:
+        return [0, *itertools.accumulate(self.query_lens_cpu)]
 
 
 class AttentionBackend(ABC):

@@ -1,0 +1,256 @@
+"""Generated shared prefix: prefixserve against transformers, side by side, on the bench model.
+
+    python benchmarks/shared_prefix.py [--quick] [--groups 4] [--prompts-per-group 16]
+        [--system-len 1024] [--question-len 32] [--output-len 32] [--hf-batch-size 16]
+
+Workload (the shape of SGLang's generated-shared-prefix set, written anew): G groups, each one
+system prompt of S random tokens followed by P questions of Q random tokens (seeded); every request
+generates O tokens, greedy, EOS ignored; all G*P requests are submitted at once.
+Machine: this CPU, float32, ``--threads`` torch threads for every system, one process.
+Systems (same weights, see ``hf_baselines.py``): prefixserve (LLMEngine driven step by step),
+``hf-no-reuse`` (transformers generate, static batches, left padding), ``hf-prefix-cache``
+(transformers generate continuing from each group's prefilled, deep-copied DynamicCache).
+
+Reports requests/s, output tokens/s, TTFT p50/p99 and TPOT p50 per system, the throughput ratios
+of prefixserve to each baseline, prefixserve's prefix-cache hits against the workload's optimum,
+the greedy agreement of each baseline with prefixserve, and the TTFT of a request whose S-token
+prefix is cached against the same request shape uncached. Writes ``shared_prefix.json`` and
+``shared_prefix.png`` under ``--out-dir``.
+
+``run_comparison`` is shared with ``multi_turn_agents.py`` and ``rag.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+from bench_model import (
+    DEFAULT_MODEL_DIR,
+    RESULTS_DIR,
+    BenchRequest,
+    FollowUp,
+    ensure_checkpoint,
+    load_hf_model,
+    machine,
+    make_engine,
+    run_engine,
+    set_threads,
+)
+from hf_baselines import HFServer, pad_token_id
+from report import agreement, hit_rate, plot_result, summarize, write_json
+
+TOKEN_RANGE = (10, 700)  # plain byte / merge tokens of the built-in tokenizer, no special tokens
+
+
+def random_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(*TOKEN_RANGE) for _ in range(n)]
+
+
+def common_args(description: str) -> argparse.ArgumentParser:
+    """Options every side-by-side benchmark takes."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run")
+    parser.add_argument("--model-dir", default=str(DEFAULT_MODEL_DIR))
+    parser.add_argument("--out-dir", default=str(RESULTS_DIR))
+    parser.add_argument("--threads", type=int, default=2, help="torch threads, all systems")
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="prefixserve option")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="prefixserve")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--skip-hf", action="store_true", help="run prefixserve only (no baselines, no ratios)"
+    )
+    return parser
+
+
+def run_comparison(
+    args: argparse.Namespace,
+    workload: dict,
+    make_requests: Callable[[], list[BenchRequest]],
+    prefix_len: dict[str, int],
+    follow_up: FollowUp | None = None,
+) -> dict:
+    """Run the workload on prefixserve and both transformers baselines; returns the result dict.
+
+    ``make_requests`` returns fresh requests (each system runs its own copies); ``prefix_len``
+    maps a request group to the shared prefix the ``hf-prefix-cache`` baseline prefills once.
+    """
+    set_threads(args.threads)
+    folder = ensure_checkpoint(args.model_dir)
+    info = machine()
+    engine = make_engine(
+        folder, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+    )
+    warm = [BenchRequest("warmup", random_tokens(random.Random(99), 48), 2)]
+    run_engine(engine, warm)
+    engine.reset_prefix_cache()
+    done, wall = run_engine(engine, make_requests(), follow_up)
+    runs = {"prefixserve": (done, wall)}
+    if not args.skip_hf:
+        model = load_hf_model(folder)
+        pad = pad_token_id(model)
+        HFServer(model, 1, pad).run([BenchRequest("warmup", warm[0].prompt, 2)])
+        runs["hf-no-reuse"] = HFServer(model, args.hf_batch_size, pad).run(
+            make_requests(), follow_up
+        )
+        runs["hf-prefix-cache"] = HFServer(model, args.hf_batch_size, pad, prefix_len).run(
+            make_requests(), follow_up
+        )
+    systems = {name: summarize(d, w) for name, (d, w) in runs.items()}
+    block_size = engine.config.block_size
+    result = {
+        "workload": workload,
+        "quick": args.quick,
+        "machine": {**info, "load_avg_1m_at_end": os.getloadavg()[0]},
+        "baselines": {
+            "hf-no-reuse": f"transformers generate, static batches of {args.hf_batch_size}, "
+            "left padding, no KV reuse",
+            "hf-prefix-cache": f"transformers generate, batches of up to {args.hf_batch_size} of "
+            "one group, continuing from the group's prefix DynamicCache (deepcopy + repeat)",
+        },
+        "engine": {
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "block_size": block_size,
+        },
+        "systems": systems,
+        "prefix_cache": hit_rate(done, block_size),
+        "cache_stats": engine.cache_stats(),
+        "step_times_s": vars(engine.step_times),
+        "ratios": {},
+        "agreement": {},
+    }
+    for name in runs:
+        if name != "prefixserve":
+            ratio = (
+                systems["prefixserve"]["output_tokens_per_s"] / systems[name]["output_tokens_per_s"]
+            )
+            result["ratios"][f"prefixserve/{name}"] = ratio
+            result["agreement"][name] = agreement(done, runs[name][0])
+    return result
+
+
+def save_and_print(result: dict, args: argparse.Namespace, stem: str, extra: str = "") -> dict:
+    """Write ``<stem>.json`` and ``<stem>.png`` under ``--out-dir`` and print the summary line."""
+    out_dir = Path(args.out_dir)
+    wl = result["workload"]
+    tag = " [QUICK: tiny sizes, not comparable to targets]" if args.quick else ""
+    m = result["machine"]
+    title = (
+        f"{wl['name']}: {wl['description']} | {m['cores']}-core CPU, {m['torch_threads']} "
+        f"threads, float32, bench model{tag}"
+    )
+    plot_result(result, title, out_dir / f"{stem}.png")
+    write_json(result, out_dir / f"{stem}.json")
+    print(
+        f"workload: {wl['description']} | machine: {m['cores']}-core CPU ({m['cpu']}), "
+        f"{m['torch_threads']} torch threads, float32, bench model | baselines: "
+        + "; ".join(f"{k} = {v}" for k, v in result["baselines"].items())
+    )
+    ps = result["systems"]["prefixserve"]
+    pc = result["prefix_cache"]
+    parts = [
+        f"{wl['name']}{tag}: prefixserve {ps['requests_per_s']:.2f} req/s "
+        f"{ps['output_tokens_per_s']:.1f} tok/s TTFT p50 {ps['ttft_ms_p50']:.0f} ms",
+        *(f"{k} {v:.2f}x" for k, v in result["ratios"].items()),
+        f"hits {pc['hit_tokens']}/{pc['optimal_hit_tokens']} of optimum "
+        f"({100 * pc['achieved_vs_optimum']:.1f}%)",
+        *(f"agree {k} {v['requests_pct']:.0f}%" for k, v in result["agreement"].items()),
+    ]
+    if extra:
+        parts.append(extra)
+    print(
+        " | ".join(parts)
+        + f" | load {m['load_avg_1m_at_start']:.2f}->{m['load_avg_1m_at_end']:.2f}"
+    )
+    return result
+
+
+def cached_vs_uncached_ttft(
+    args: argparse.Namespace, prefix_tokens: int, question_len: int, repeats: int
+) -> dict:
+    """TTFT of one request whose prefix is cold, then of a new question on that prefix, warm."""
+    engine = make_engine(ensure_checkpoint(args.model_dir))
+    rng = random.Random(args.seed + 7)
+    run_engine(engine, [BenchRequest("warmup", random_tokens(rng, 48), 1)])
+    cold, warm = [], []
+    for i in range(repeats):
+        prefix = random_tokens(rng, prefix_tokens)
+        a = BenchRequest(f"cold{i}", prefix + random_tokens(rng, question_len), 1)
+        b = BenchRequest(f"warm{i}", prefix + random_tokens(rng, question_len), 1)
+        run_engine(engine, [a])
+        run_engine(engine, [b])
+        cold.append(a.ttft)
+        warm.append(b.ttft)
+    c, w = statistics.median(cold), statistics.median(warm)
+    return {
+        "prefix_tokens": prefix_tokens,
+        "question_tokens": question_len,
+        "repeats": repeats,
+        "ttft_ms_uncached": 1e3 * c,
+        "ttft_ms_cached": 1e3 * w,
+        "ratio": c / w,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = common_args(__doc__.split("\n\n")[0])
+    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--prompts-per-group", type=int, default=16)
+    parser.add_argument("--system-len", type=int, default=1024)
+    parser.add_argument("--question-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=32)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.groups, args.prompts_per_group, args.system_len = 2, 4, 128
+        args.question_len, args.output_len, args.hf_batch_size = 16, 8, 4
+    g, p, s, q, o = (
+        args.groups,
+        args.prompts_per_group,
+        args.system_len,
+        args.question_len,
+        args.output_len,
+    )
+    rng = random.Random(args.seed)
+    systems = [random_tokens(rng, s) for _ in range(g)]
+    questions = [[random_tokens(rng, q) for _ in range(p)] for _ in range(g)]
+
+    def make_requests() -> list[BenchRequest]:
+        # Interleaved groups, as independent users would arrive.
+        return [
+            BenchRequest(f"g{i}-q{j}", systems[i] + questions[i][j], o, group=f"g{i}")
+            for j in range(p)
+            for i in range(g)
+        ]
+
+    workload = {
+        "name": "shared_prefix",
+        "description": f"G={g} groups x P={p} questions, system {s} + question {q} tokens, "
+        f"{o} out, greedy, all submitted at once",
+        "groups": g,
+        "prompts_per_group": p,
+        "system_len": s,
+        "question_len": q,
+        "output_len": o,
+    }
+    result = run_comparison(args, workload, make_requests, {f"g{i}": s for i in range(g)})
+    ttft = cached_vs_uncached_ttft(args, s, q, repeats=1 if args.quick else 3)
+    result["cached_vs_uncached_ttft"] = ttft
+    return save_and_print(
+        result,
+        args,
+        "shared_prefix",
+        f"TTFT {s}-token prefix uncached/cached {ttft['ttft_ms_uncached']:.0f}/"
+        f"{ttft['ttft_ms_cached']:.0f} ms = {ttft['ratio']:.1f}x",
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Smoke tests of the benchmark scripts: each ``main`` runs with ``--quick`` on a tiny checkpoint.
+
+They check that every script runs end to end and writes its JSON and PNG, not any speed: performance
+claims live in the benchmarks' own output. The HTTP load generator runs against a real
+``python -m prefixserve serve`` on the built-in model when the subcommand exists.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.checkpoints import make_checkpoint
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH_DIR))
+
+import bench_model  # noqa: E402
+import hf_baselines  # noqa: E402
+import multi_turn_agents  # noqa: E402
+import rag  # noqa: E402
+import report  # noqa: E402
+import shared_prefix  # noqa: E402
+import step_profile  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """A 2-layer random Llama (256 positions): stands in for the 25M bench model."""
+    return make_checkpoint("llama", tmp_path_factory.mktemp("bench-model"), seed=3)
+
+
+def _common(model: Path, out: Path) -> list[str]:
+    return ["--quick", "--model-dir", str(model), "--out-dir", str(out), "--threads", "1"]
+
+
+def test_optimal_hit_tokens_counts_earlier_prompts_and_finished_outputs() -> None:
+    a = bench_model.BenchRequest("a", list(range(40)), 4, submit_time=0.0, finish_time=1.0)
+    a.output = [90, 91, 92, 93]
+    # shares 32 tokens with a's prompt; its own prompt is 48 tokens long, so up to 32 cached.
+    b = bench_model.BenchRequest("b", list(range(32)) + [7] * 16, 4, submit_time=0.5)
+    # submitted after a finished: a's prompt + output[:-1] (43 tokens) is there; capped at 48.
+    c = bench_model.BenchRequest(
+        "c", list(range(40)) + [90, 91, 92, 93] + [5] * 20, 4, submit_time=2.0
+    )
+    for r in (b, c):
+        r.finish_time = 3.0
+    assert report.optimal_hit_tokens([a, b, c], block_size=16) == 0 + 32 + 32
+
+
+def test_bench_model_main_reports_parameters(tiny_model: Path, capsys) -> None:
+    info = bench_model.main(["--model-dir", str(tiny_model)])
+    assert info["parameters"] > 0
+    assert "parameters" in capsys.readouterr().out
+
+
+def test_hf_baselines_agree_with_prefixserve(tiny_model: Path) -> None:
+    result = hf_baselines.main(["--quick", "--model-dir", str(tiny_model), "--threads", "1"])
+    for name in ("hf-no-reuse", "hf-prefix-cache"):
+        assert result[name]["requests_pct"] == 100.0
+
+
+@pytest.mark.parametrize(
+    ("module", "stem"),
+    [(shared_prefix, "shared_prefix"), (multi_turn_agents, "multi_turn_agents"), (rag, "rag")],
+)
+def test_side_by_side_workloads(module, stem: str, tiny_model: Path, tmp_path: Path) -> None:
+    result = module.main(_common(tiny_model, tmp_path))
+    assert set(result["systems"]) == {"prefixserve", "hf-no-reuse", "hf-prefix-cache"}
+    assert (tmp_path / f"{stem}.png").stat().st_size > 0
+    saved = json.loads((tmp_path / f"{stem}.json").read_text())
+    assert saved["quick"] is True
+    pc = saved["prefix_cache"]
+    assert 0 < pc["hit_tokens"] <= pc["optimal_hit_tokens"]
+    assert saved["ratios"]["prefixserve/hf-no-reuse"] > 0
+    if stem == "shared_prefix":
+        assert saved["cached_vs_uncached_ttft"]["ttft_ms_cached"] > 0
+    table = report.main(["--results-dir", str(tmp_path)])
+    assert "| prefixserve |" in table
+
+
+def test_step_profile(tiny_model: Path, tmp_path: Path) -> None:
+    result = step_profile.main(_common(tiny_model, tmp_path))
+    assert [r["batch"] for r in result["rows"]] == [4, 8]
+    assert all(0 <= r["non_forward_pct"] <= 100 for r in result["rows"])
+    assert (tmp_path / "step_profile.png").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve_available() -> bool:
+    cmd = [sys.executable, "-m", "prefixserve", "serve", "--help"]
+    return subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    """``python -m prefixserve serve`` on the built-in model, on a free port."""
+    if not _serve_available():
+        pytest.skip("`prefixserve serve` does not exist yet")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefixserve", "serve", "--port", str(port), "--log-level", "error"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited: {proc.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("server did not become healthy in 90 s")
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize(
+    "extra", [["--workload", "shared_prefix"], ["--workload", "agents", "--concurrency", "2"]]
+)
+def test_http_load(server_url: str, extra: list[str], tmp_path: Path) -> None:
+    import http_load
+
+    result = http_load.main(
+        ["--quick", "--base-url", server_url, "--out-dir", str(tmp_path), *extra]
+    )
+    summary = result["summary"]
+    assert summary["requests_failed"] == 0 and summary["requests_ok"] == 4
+    assert summary["ttft_ms"]["p50"] > 0
+    assert summary["metrics_prefix_cache"]["hits"] > 0
+    assert (tmp_path / "http_load.png").exists()
