@@ -12,6 +12,12 @@ Invariants: only the engine thread touches the engine; handlers never block on i
 their stream's queue); every stream receives exactly one terminal item (a finished output, an
 error, or the engine's death). If the loop raises, ``dead`` holds the error, every live stream is
 failed, and ``on_death`` is called so the server can stop and exit non-zero.
+
+Admission and failures: ``admit(count)`` refuses (``EngineOverloadedError``) once the adds not yet
+applied plus the engine's waiting queue would pass ``max_waiting``; once added, a request is never
+dropped. A finished output carrying ``error`` (the engine failed that one request) ends its stream
+with a 500 ``internal_error``; a stream past its deadline ends with a 408 and its request is
+aborted; ``fail_all`` aborts every live request with one error (the end of a shutdown drain).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+
+from prefixserve.api.protocol import APIError
 
 from prefixserve.engine import LLMEngine
 from prefixserve.outputs import RequestOutput
@@ -34,25 +42,68 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped on an internal error; no request can be served any more."""
 
 
+RETRY_AFTER_SECONDS = 1
+
+
+class EngineOverloadedError(APIError):
+    """The waiting queue is full: a 503 with ``Retry-After``; nothing of the request was queued."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 503, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
+class RequestTimeoutError(APIError):
+    """The request ran past ``--request-timeout``; the engine aborted it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 408, err_type="timeout_error")
+
+
+class RequestFailedError(APIError):
+    """The engine failed this one request (its output carried ``error``); others keep running."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 500, err_type="internal_error")
+
+
 @dataclass
 class RequestStream:
-    """Outputs of one request, in order; the last item is a finished output or an exception."""
+    """Outputs of one request, in order; the last item is a finished output or an exception.
+
+    Iteration raises ``RequestTimeoutError`` once ``deadline`` (``time.monotonic()``) passes and
+    ``RequestFailedError`` for a finished output that carries an engine error.
+    """
 
     request_id: str
     accepted: asyncio.Future
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
+    deadline: float | None = None
+    timeout: float | None = None
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:
-            item = await self.queue.get()
+            item = await self._next()
             while not self.queue.empty() and isinstance(item, RequestOutput) and not item.finished:
                 item = self.queue.get_nowait()  # outputs are cumulative: skip to the latest
+            if isinstance(item, RequestOutput) and item.finished and item.error is not None:
+                item = RequestFailedError(f"the engine failed this request: {item.error}")
             if isinstance(item, BaseException):
                 self.finished = True
                 raise item
             self.finished = item.finished
             yield item
+
+    async def _next(self) -> RequestOutput | BaseException:
+        if self.deadline is None:
+            return await self.queue.get()
+        try:
+            return await asyncio.wait_for(self.queue.get(), self.deadline - time.monotonic())
+        except asyncio.TimeoutError:
+            raise RequestTimeoutError(
+                f"the request ran longer than the server's request timeout ({self.timeout:g} s) "
+                "and was aborted; ask for fewer tokens (max_tokens, n) or retry later"
+            ) from None
 
 
 @dataclass
@@ -74,8 +125,14 @@ StepObserver = Callable[[list[RequestOutput], dict[str, float], float], None]
 class AsyncEngine:
     """Owner of the engine thread. ``observer(outputs, arrival_times, now)`` runs on that thread."""
 
-    def __init__(self, engine: LLMEngine, observer: StepObserver | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        observer: StepObserver | None = None,
+        max_waiting: int | None = None,
+    ) -> None:
         self.engine = engine
+        self.max_waiting = max_waiting
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.tokenizer
@@ -87,6 +144,8 @@ class AsyncEngine:
             tuple[RequestStream, str | list[int], SamplingParams | BeamSearchParams]
         ] = []
         self._aborts: list[str] = []
+        self._fail_all: BaseException | None = None
+        self._num_waiting = 0
         self._streams: dict[str, RequestStream] = {}
         self._arrivals: dict[str, float] = {}
         self._stopping = False
@@ -108,13 +167,34 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout=10)
 
+    def admit(self, count: int) -> None:
+        """Raise ``EngineOverloadedError`` if ``count`` more requests would overfill the queue."""
+        if self.max_waiting is None:
+            return
+        with self._cond:
+            queued = len(self._adds) + self._num_waiting
+        if queued + count > self.max_waiting:
+            raise EngineOverloadedError(
+                f"the server is overloaded: {queued} requests are waiting (limit "
+                f"{self.max_waiting}); retry after {RETRY_AFTER_SECONDS} s"
+            )
+
     async def add(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | BeamSearchParams
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | BeamSearchParams,
+        timeout: float | None = None,
     ) -> RequestStream:
-        """Queue a request; returns its stream once the engine accepted it, else raises its error."""
+        """Queue a request; returns its stream once the engine accepted it, else raises its error.
+
+        With ``timeout`` (seconds from now) the stream raises ``RequestTimeoutError`` past it.
+        """
         if self.dead is not None:
             raise EngineDeadError(f"the engine is not running: {self.dead!r}")
         stream = RequestStream(request_id, asyncio.get_running_loop().create_future())
+        if timeout is not None:
+            stream.deadline, stream.timeout = time.monotonic() + timeout, timeout
         with self._cond:
             self._adds.append((stream, prompt, params))
             self._cond.notify()
@@ -131,6 +211,12 @@ class AsyncEngine:
             self._aborts.append(request_id)
             self._cond.notify()
 
+    def fail_all(self, error: BaseException) -> None:
+        """Abort every live request; each of their streams ends with ``error``."""
+        with self._cond:
+            self._fail_all = error
+            self._cond.notify()
+
     def snapshot(self) -> EngineSnapshot:
         with self._cond:
             return self._snapshot
@@ -144,6 +230,7 @@ class AsyncEngine:
                     while not (
                         self._adds
                         or self._aborts
+                        or self._fail_all is not None
                         or self._stopping
                         or self.engine.has_unfinished_requests()
                     ):
@@ -152,11 +239,16 @@ class AsyncEngine:
                         return
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, []
+                    fail_all, self._fail_all = self._fail_all, None
                 for stream, prompt, params in adds:
                     self._add(stream, prompt, params)
+                if fail_all is not None:
+                    self._abort_streams(fail_all)
+                self._count_waiting()
                 finals = [o for o in map(self.engine.abort_request, aborts) if o is not None]
                 outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
                 self._publish(finals + outputs)
+                self._count_waiting()
         except BaseException as exc:
             logger.exception("engine loop died")
             self._die(exc)
@@ -170,6 +262,19 @@ class AsyncEngine:
         self._streams[stream.request_id] = stream
         self._arrivals[stream.request_id] = time.monotonic()
         self._loop.call_soon_threadsafe(_settle, stream.accepted, None)
+
+    def _count_waiting(self) -> None:
+        num_waiting = len(self.engine.scheduler.waiting)
+        with self._cond:
+            self._num_waiting = num_waiting
+
+    def _abort_streams(self, error: BaseException) -> None:
+        streams = list(self._streams.values())
+        for stream in streams:
+            self.engine.abort_request(stream.request_id)
+        self._streams.clear()
+        self._arrivals.clear()
+        self._loop.call_soon_threadsafe(_deliver, [(s, error) for s in streams])
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()

@@ -1,7 +1,9 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic 2).
 
 Requests accept and ignore unknown fields, as OpenAI clients send extras freely. Validation here is
-about shapes; value ranges are checked by ``SamplingParams`` so both APIs share one set of rules.
+about shapes and about the bounds that keep one request's cost bounded (``n``, ``logprobs``,
+``seed``); the other value ranges are checked by ``SamplingParams`` so both APIs share one set of
+rules.
 """
 
 from __future__ import annotations
@@ -11,6 +13,11 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 16
+"""Most choices (``n``, or beams) one request may ask for."""
+MAX_LOGPROBS = 20
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
 
 def random_id(prefix: str) -> str:
@@ -45,10 +52,10 @@ class _SamplingFields(_Lenient):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
@@ -68,7 +75,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[ToolDefinition] | None = None
     tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -76,7 +83,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
 
@@ -174,18 +181,42 @@ def error_body(message: str, err_type: str, code: int, param: str | None = None)
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
-class APIError(Exception):
-    """An error the HTTP layer returns as an OpenAI-shaped body with ``status``."""
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    408: "TimeoutError",
+    413: "RequestTooLargeError",
+    499: "ClientDisconnectedError",
+    503: "ServiceUnavailableError",
+}
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+
+class APIError(Exception):
+    """An error the HTTP layer returns as an OpenAI-shaped body with ``status``.
+
+    ``err_type`` overrides the type derived from the status; ``headers`` go on the response (e.g.
+    ``Retry-After`` on a 503).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        err_type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message, self.status, self.param = message, status, param
+        self.err_type = err_type
+        self.headers = headers or {}
 
     @property
     def type(self) -> str:
-        return {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(
-            self.status, "InternalServerError"
-        )
+        if self.err_type is not None:
+            return self.err_type
+        return _ERROR_TYPES.get(self.status, "InternalServerError")
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.status, self.param)

@@ -3,22 +3,33 @@
 Routes: /v1/chat/completions, /v1/completions, /v1/models, /health, /version, /tokenize,
 /detokenize, /metrics, /dashboard, /stats. Every error is an OpenAI-shaped body: 400 for any
 invalid input (schema, JSON, values, context length), 401 for a missing or wrong API key on /v1/*,
-404 for an unknown model. /health answers 503 once the engine loop has died; the runner then stops
-uvicorn and ``serve`` returns 1.
+404 for an unknown model, 408 past ``request_timeout``, 413 for a body over
+``max_request_body_bytes``, 503 (with ``Retry-After``) when the waiting queue is full or the
+server is draining, 500 ``internal_error`` when the engine failed that one request.
+
+Lifecycle: /health answers 503 once the engine loop has died; the runner then stops uvicorn and
+``serve`` returns 1. On SIGTERM or SIGINT the server drains: every new request gets a 503, requests
+in flight get ``shutdown_grace_seconds`` to finish, the rest are aborted with a 503 error, and
+``serve`` returns 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
+import signal
+import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from types import FrameType
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prefixserve.api.async_engine import AsyncEngine, EngineDeadError
+from prefixserve.api.async_engine import RETRY_AFTER_SECONDS, AsyncEngine, EngineDeadError
 from prefixserve.api.dashboard import dashboard_router
 from prefixserve.api.metrics import ServerMetrics
 from prefixserve.api.protocol import (
@@ -40,16 +51,141 @@ from prefixserve.errors import CacheCapacityError, InvalidArgumentError
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_SHUTDOWN_GRACE_SECONDS = 30.0
+
 
 @dataclass
 class ServerConfig:
+    """Options of the HTTP layer (the engine's own live in ``EngineConfig``).
+
+    ``max_waiting_requests``: engine requests allowed to wait for a slot before new ones get a 503.
+    ``request_timeout``: seconds a request may spend in the engine before it is aborted with a 408
+    (None: no limit). ``shutdown_grace_seconds``: how long a drain waits for requests in flight.
+    ``require_cache_salt``: refuse requests without a ``cache_salt``.
+    """
+
     served_model_names: list[str]
     api_key: str | None = None
     tool_call_parser: str | None = None
+    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    request_timeout: float | None = None
+    shutdown_grace_seconds: float = DEFAULT_SHUTDOWN_GRACE_SECONDS
+    require_cache_salt: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_waiting_requests < 1:
+            raise InvalidArgumentError(
+                f"max_waiting_requests: must be >= 1, got {self.max_waiting_requests}",
+                "max_waiting_requests",
+            )
+        if self.max_request_body_bytes < 1:
+            raise InvalidArgumentError(
+                f"max_request_body_bytes: must be >= 1, got {self.max_request_body_bytes}",
+                "max_request_body_bytes",
+            )
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise InvalidArgumentError(
+                f"request_timeout: must be > 0 seconds, got {self.request_timeout}",
+                "request_timeout",
+            )
+        if self.shutdown_grace_seconds < 0:
+            raise InvalidArgumentError(
+                f"shutdown_grace_seconds: must be >= 0, got {self.shutdown_grace_seconds}",
+                "shutdown_grace_seconds",
+            )
 
 
 def _error(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _send_error(send, exc: APIError) -> None:
+    """Answer a raw ASGI request with ``exc`` as a JSON error body."""
+    body = json.dumps(exc.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
+    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Gate:
+    """Pure ASGI middleware at the door: body size limit, refusal while draining, requests in flight.
+
+    The body is read here, up to ``max_body_bytes`` (a larger ``Content-Length`` is refused before
+    reading; a body that grows past the limit while streaming in is refused as soon as it does),
+    and replayed to the app; later ``receive`` calls go to the client, so disconnects still show.
+    """
+
+    def __init__(self, app, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.draining = False
+        self.in_flight = 0
+
+    def _too_large(self) -> APIError:
+        return APIError(
+            f"request body: larger than the server's limit of {self.max_body_bytes} bytes; "
+            "send a smaller request",
+            413,
+        )
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.draining and scope["path"] != "/metrics":
+            await _send_error(
+                send,
+                APIError(
+                    "the server is shutting down and accepts no new requests; retry on another "
+                    "replica or later",
+                    503,
+                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+                ),
+            )
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            await _send_error(send, self._too_large())
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                await _send_error(send, self._too_large())
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        self.in_flight += 1
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            self.in_flight -= 1
+
+
+def _body_error_message(exc: BaseException | None) -> str:
+    """Why a request body could not be parsed, and what to change."""
+    if isinstance(exc, RecursionError):
+        return "request body: the JSON is nested too deeply to parse; flatten it"
+    if isinstance(exc, UnicodeDecodeError):
+        return "request body: not valid UTF-8; send UTF-8 encoded JSON"
+    return f"request body: could not be parsed as JSON ({exc!r}); send a JSON object"
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -60,12 +196,25 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
+def _validation_param(exc: RequestValidationError) -> str | None:
+    """The top-level field of the first error, as OpenAI's ``param``."""
+    for err in exc.errors():
+        loc = [x for x in err.get("loc", ()) if x != "body"]
+        if loc and isinstance(loc[0], str):
+            return loc[0]
+    return None
+
+
 def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     """One app per engine; its metrics registry and handlers hold no module-level state."""
     metrics = ServerMetrics(config.served_model_names[0], engine.snapshot)
     engine.observer = metrics.observe_step
-    chat = ChatServing(engine, config.served_model_names, config.tool_call_parser)
-    completion = CompletionServing(engine, config.served_model_names)
+    engine.max_waiting = config.max_waiting_requests
+    options = dict(
+        request_timeout=config.request_timeout, require_cache_salt=config.require_cache_salt
+    )
+    chat = ChatServing(engine, config.served_model_names, config.tool_call_parser, **options)
+    completion = CompletionServing(engine, config.served_model_names, **options)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -76,7 +225,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="prefixserve", version=prefixserve.__version__, lifespan=lifespan)
-    app.state.engine, app.state.metrics = engine, metrics
+    app.state.engine, app.state.metrics, app.state.config = engine, metrics, config
 
     @app.exception_handler(APIError)
     async def on_api_error(_: Request, exc: APIError):
@@ -84,7 +233,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(_: Request, exc: RequestValidationError):
-        return _error(APIError(_validation_message(exc), 400))
+        return _error(APIError(_validation_message(exc), 400, _validation_param(exc)))
 
     async def on_engine_error(_: Request, exc: Exception):
         return _error(APIError(str(exc), 400, getattr(exc, "param", None)))
@@ -98,6 +247,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400 and exc.__cause__ is not None:
+            return _error(APIError(_body_error_message(exc.__cause__), 400))
         return JSONResponse(
             error_body(
                 str(exc.detail),
@@ -175,7 +326,36 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.include_router(dashboard_router(engine, metrics))
+    app.add_middleware(Gate, max_body_bytes=config.max_request_body_bytes)
     return app
+
+
+def gate_of(app: FastAPI) -> Gate:
+    """The app's ``Gate`` middleware instance (built with the middleware stack on first use)."""
+    if app.middleware_stack is None:
+        app.middleware_stack = app.build_middleware_stack()
+    layer = app.middleware_stack
+    while not isinstance(layer, Gate):
+        layer = layer.app
+    return layer
+
+
+async def drain(app: FastAPI, grace_seconds: float) -> None:
+    """Refuse new requests, give those in flight ``grace_seconds``, then abort the rest."""
+    gate, engine = gate_of(app), app.state.engine
+    gate.draining = True
+    logger.info("draining: %d requests in flight, grace %.1f s", gate.in_flight, grace_seconds)
+    deadline = time.monotonic() + grace_seconds
+    while gate.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if gate.in_flight:
+        logger.warning("grace period over: aborting %d requests in flight", gate.in_flight)
+        engine.fail_all(
+            APIError("the server shut down before this request finished; retry it", 503)
+        )
+        deadline = time.monotonic() + 5.0
+        while gate.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
 
 def _respond(result):
@@ -187,20 +367,55 @@ def _respond(result):
 
 
 def run_server(
-    engine_kwargs: dict, host: str, port: int, config: ServerConfig, log_level: str
+    engine_kwargs: dict,
+    host: str,
+    port: int,
+    config: ServerConfig,
+    log_level: str,
+    engine_hook: Callable | None = None,
 ) -> int:
-    """Load the engine, serve until stopped; 1 if the engine loop died, else 0."""
+    """Load the engine, serve until stopped; 1 if the engine loop died, else 0.
+
+    ``engine_hook(llm_engine)`` runs once the engine is built (the CLI's fault injection uses it).
+    """
     import uvicorn
 
     from prefixserve.config import EngineConfig
     from prefixserve.engine import LLMEngine
 
     llm_engine = LLMEngine(EngineConfig(**engine_kwargs))
+    if engine_hook is not None:
+        engine_hook(llm_engine)
     if not config.served_model_names:
         config.served_model_names = [llm_engine.model_name]
     engine = AsyncEngine(llm_engine)
     app = create_app(engine, config)
-    server = uvicorn.Server(
+
+    class DrainingServer(uvicorn.Server):
+        """The first SIGTERM/SIGINT starts a drain and exits after it; a second SIGINT forces."""
+
+        draining = False
+        drain_task: asyncio.Task | None = None
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # A signal handler interrupts the loop mid-step: hand the work over thread-safely.
+            if self.draining or self.should_exit:
+                if sig == signal.SIGINT:
+                    self.force_exit = self.should_exit = True
+                return
+            self.draining = True
+            asyncio.get_running_loop().call_soon_threadsafe(self._start_drain)
+
+        def _start_drain(self) -> None:
+            self.drain_task = asyncio.get_running_loop().create_task(self._drain_then_exit())
+
+        async def _drain_then_exit(self) -> None:
+            try:
+                await drain(app, config.shutdown_grace_seconds)
+            finally:
+                self.should_exit = True
+
+    server = DrainingServer(
         uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     )
 

@@ -51,9 +51,13 @@ def render_chat(
 
 class ChatServing(BaseServing):
     def __init__(
-        self, engine: AsyncEngine, served_model_names: list[str], tool_parser: str | None
+        self,
+        engine: AsyncEngine,
+        served_model_names: list[str],
+        tool_parser: str | None,
+        **options,
     ) -> None:
-        super().__init__(engine, served_model_names)
+        super().__init__(engine, served_model_names, **options)
         self.tool_parser = tool_parser
         self.eos_text = engine.tokenizer.eos_token or ""
 

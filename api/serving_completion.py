@@ -3,7 +3,8 @@
 A request with P prompts and ``n`` choices becomes P engine requests; choice ``p * n + j`` is
 sample ``j`` of prompt ``p``. Outputs are cumulative, so a stream's delta is the new suffix of a
 choice's text and token ids since the last event. Every engine request this handler added is
-aborted when the handler ends before it finished (client gone, error, cancellation).
+aborted when the handler ends before it finished (client gone, error, timeout, cancellation).
+A request is admitted whole or refused whole (503 when the waiting queue is full).
 """
 
 from __future__ import annotations
@@ -50,9 +51,23 @@ def usage_of(finals: list[RequestOutput]) -> Usage:
 
 
 class BaseServing:
-    def __init__(self, engine: AsyncEngine, served_model_names: list[str]) -> None:
+    """What both endpoints share: model check, parameters, admission, collection of outputs.
+
+    ``request_timeout`` (seconds) bounds each request's time in the engine; ``require_cache_salt``
+    refuses requests without a ``cache_salt`` (every tenant must name its cache namespace).
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        served_model_names: list[str],
+        request_timeout: float | None = None,
+        require_cache_salt: bool = False,
+    ) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
+        self.request_timeout = request_timeout
+        self.require_cache_salt = require_cache_salt
         self._token_text: dict[int, str] = {}
 
     def check_model(self, model: str | None) -> str:
@@ -68,6 +83,13 @@ class BaseServing:
 
     def make_params(self, req, max_tokens: int | None, logprobs: int | None, num_prompt: int):
         """Engine parameters; raises a 400 when the prompt plus max_tokens exceed the context."""
+        if self.require_cache_salt and not req.cache_salt:
+            raise APIError(
+                "cache_salt: this server requires a non-empty 'cache_salt' on every request "
+                "(it isolates your prefix cache from other tenants); add one",
+                400,
+                "cache_salt",
+            )
         limit = self.engine.max_model_len
         if num_prompt >= limit:
             raise APIError(
@@ -124,11 +146,19 @@ class BaseServing:
     async def add_all(
         self, request_id: str, prompts: list[list[int]], params_list: list
     ) -> list[RequestStream]:
-        """Add one engine request per prompt; on any refusal abort those added and raise a 400."""
+        """Add one engine request per prompt; on any refusal abort those added and raise a 400.
+
+        Raises ``EngineOverloadedError`` (503) before adding anything when the queue is full.
+        """
+        self.engine.admit(len(prompts))
         streams: list[RequestStream] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-                streams.append(await self.engine.add(f"{request_id}-{i}", prompt, params))
+                streams.append(
+                    await self.engine.add(
+                        f"{request_id}-{i}", prompt, params, timeout=self.request_timeout
+                    )
+                )
         except (InvalidArgumentError, CacheCapacityError) as exc:
             self.abort_all(streams)
             raise APIError(str(exc), 400, getattr(exc, "param", None)) from exc
@@ -252,8 +282,8 @@ class CompletionServing(BaseServing):
     def _prompt_ids(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
             prompt = [prompt]
-        if not prompt:
-            raise APIError("prompt: must not be empty", 400, "prompt")
+        if not prompt or any(not p for p in prompt):
+            raise APIError("prompt: must not be empty (nor hold an empty prompt)", 400, "prompt")
         tok = self.engine.tokenizer
         return [tok.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 

@@ -241,13 +241,8 @@ class LLMEngine:
         times.schedule += t1 - t0
         samplers, logits = self.runner.execute(out, block_tables, times)
         t2 = time.perf_counter()
-        self.scheduler.update_computed(out)
+        self.counters.computed_prompt_tokens += self.scheduler.update_computed(out)
         self.counters.num_steps += 1
-        self.counters.computed_prompt_tokens += sum(
-            max(0, min(s.seq.num_prompt_tokens, s.seq.num_computed_tokens)
-                - (s.seq.num_computed_tokens - s.num_new_tokens))
-            for s in out.scheduled
-        )  # fmt: skip
         touched: dict[str, Request] = {}
         rows: list[tuple[Request, Sequence, int]] = []
         beam_rows: dict[str, list[tuple[Sequence, int]]] = {}

@@ -244,10 +244,18 @@ class Scheduler:
 
     # ---- after the forward --------------------------------------------------------------------
 
-    def update_computed(self, out: SchedulerOutput) -> None:
-        """After the forward: advance ``num_computed_tokens`` of every scheduled sequence."""
+    def update_computed(self, out: SchedulerOutput) -> int:
+        """After the forward: advance ``num_computed_tokens`` of every scheduled sequence.
+
+        Returns how many prompt tokens (not generated ones) this step computed.
+        """
+        prompt_tokens = 0
         for sched in out.scheduled:
-            sched.seq.num_computed_tokens += sched.num_new_tokens
+            seq = sched.seq
+            start = seq.num_computed_tokens
+            seq.num_computed_tokens += sched.num_new_tokens
+            prompt_tokens += max(0, min(seq.num_prompt_tokens, seq.num_computed_tokens) - start)
+        return prompt_tokens
 
     def _cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Register the sequence's blocks that are full once this step's tokens are written.

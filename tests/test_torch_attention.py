@@ -146,7 +146,7 @@ def test_prefix_groups_match_dense_reference(seed, gqa):
     md.prefix_groups = []
     plain = TorchAttentionBackend().forward(query, key, value, kv_cache.clone(), md, scale)
     start = 0
-    for (c, n), k, v in zip(seqs, ctx_k, ctx_v):
+    for (_, n), k, v in zip(seqs, ctx_k, ctx_v):
         ref = _dense(query[start : start + n], k, v, scale)
         torch.testing.assert_close(out[start : start + n], ref, rtol=1e-4, atol=1e-5)
         start += n

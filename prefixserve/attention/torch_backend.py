@@ -123,7 +123,7 @@ class TorchAttentionBackend(AttentionBackend):
             q[slot_rows, slot_offs] = query[token_idx]
         if all(f == 0 and n == sl for f, n, sl in zip(first, q_lens, seq_lens)):
             # Whole prompts: plain causal attention; padded keys are seen by padded rows only.
-            o, l = _attention(q, k, v, None, scale, causal=True)  # (G, Q, nh, hd), (G, Q, nh)
+            o, o_lse = _attention(q, k, v, None, scale, causal=True)  # (G, Q, nh, hd), (G, Q, nh)
         else:
             # Padded query rows (j >= query_len) sit at positions >= seq_len: they still see keys
             # < seq_len, so no row is all-masked (no NaN); their outputs are dropped.
@@ -137,13 +137,13 @@ class TorchAttentionBackend(AttentionBackend):
             mask = (k_pos[:, None, :] <= q_pos[:, :, None]) & (
                 k_pos[:, None, :] < seq_lens_t[:, None, None]
             )  # (G, Q, L)
-            o, l = _attention(q, k, v, mask, scale)
+            o, o_lse = _attention(q, k, v, mask, scale)
         if slot_rows is None:
             out[token_idx] = o[:, 0]
-            lse[token_idx] = l[:, 0]
+            lse[token_idx] = o_lse[:, 0]
         else:
             out[token_idx] = o[slot_rows, slot_offs]
-            lse[token_idx] = l[slot_rows, slot_offs]
+            lse[token_idx] = o_lse[slot_rows, slot_offs]
 
     @staticmethod
     def _merge_shared(
