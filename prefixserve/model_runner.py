@@ -175,25 +175,46 @@ def _prefix_groups(
     """Group the batch's sequences whose block tables start with the same blocks.
 
     A group's shared blocks lie wholly before every member's first query token
-    (``context_starts``), so each member sees all of them; groups of one are dropped.
+    (``context_starts``), so each member sees all of them. Sharing can nest (a preamble shared by
+    all, then documents shared within sets): ``_split_group`` picks the grouping that reads the
+    fewest KV blocks per member. Groups of one are dropped.
     """
+    min_blocks = -(-MIN_SHARED_PREFIX_TOKENS // block_size)
+    limits = [c // block_size for c in context_starts]
     by_first: dict[int, list[int]] = {}
     for i, table in enumerate(tables):
-        by_first.setdefault(table[0], []).append(i)
-    min_blocks = -(-MIN_SHARED_PREFIX_TOKENS // block_size)
+        if limits[i] >= min_blocks:  # a member still computing the shared blocks cannot join
+            by_first.setdefault(table[0], []).append(i)
     groups = []
-    for candidates in by_first.values():
-        # a member still computing the shared blocks themselves cannot join
-        members = [i for i in candidates if context_starts[i] >= min_blocks * block_size]
-        if len(members) < 2:
-            continue
-        limit = min(context_starts[i] for i in members) // block_size
-        ref = tables[members[0]][:limit]
-        shared = len(ref)
-        for i in members[1:]:
-            other = tables[i][:shared]
-            if other != ref[:shared]:
-                shared = next(k for k, (a, b) in enumerate(zip(ref, other)) if a != b)
-        if shared >= min_blocks:
-            groups.append((members, shared))
-    return groups
+    for members in by_first.values():
+        if len(members) >= 2:
+            groups.extend(_split_group(members, tables, limits, 1))
+    return [(members, shared) for members, shared in groups if shared >= min_blocks]
+
+
+def _split_group(
+    members: list[int], tables: list[list[int]], limits: list[int], depth: int
+) -> list[tuple[list[int], int]]:
+    """Members share their first ``depth`` blocks; extend that, or split where they diverge."""
+    limit = min(limits[i] for i in members)
+    ref = tables[members[0]]
+    shared = depth
+    while shared < limit and all(tables[i][shared] == ref[shared] for i in members):
+        shared += 1
+    if shared == limit:
+        return [(members, shared)]
+    by_next: dict[int, list[int]] = {}
+    for i in members:
+        by_next.setdefault(tables[i][shared], []).append(i)
+    subgroups = [
+        g
+        for sub in by_next.values()
+        if len(sub) >= 2
+        for g in _split_group(sub, tables, limits, shared + 1)
+    ]
+    # KV blocks read per step: the shared blocks once per group, the rest once per member.
+    keep_cost = shared + sum(limits[i] - shared for i in members)
+    grouped = {i for sub, _ in subgroups for i in sub}
+    split_cost = sum(k + sum(limits[i] - k for i in sub) for sub, k in subgroups)
+    split_cost += sum(limits[i] for i in members if i not in grouped)
+    return subgroups if split_cost < keep_cost else [(members, shared)]

@@ -7,6 +7,7 @@ margins are not razor-thin and a mis-loaded weight shows up in the logits.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -97,3 +98,23 @@ def load_hf_model(folder: Path | str) -> torch.nn.Module:
 def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
     """Full-sequence forward: ``[len(token_ids), vocab]`` float32 logits."""
     return model(torch.tensor([token_ids])).logits[0].float()
+
+
+@torch.no_grad()
+def hf_generate_no_eos(model: torch.nn.Module, prompt: list[int], max_new: int, **kwargs):
+    """transformers' ``generate`` on one prompt with EOS disabled (``max_new`` tokens always).
+
+    EOS is set to an id the model never produces (a ``None`` would be refilled from the
+    checkpoint); the explicit attention mask keeps a prompt token equal to ``pad_token_id``.
+    """
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = [model.config.vocab_size]
+    return model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        generation_config=config,
+        max_new_tokens=max_new,
+        do_sample=False,
+        pad_token_id=0,
+        **kwargs,
+    )

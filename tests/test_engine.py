@@ -3,11 +3,9 @@ whatever the caching, chunking or preemption."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from checkpoints import load_hf_model, make_checkpoint
+from checkpoints import hf_generate_no_eos, load_hf_model, make_checkpoint
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.errors import CacheCapacityError, InvalidArgumentError, PromptTooLongError
@@ -28,21 +26,9 @@ def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
-@torch.no_grad()
 def _hf_greedy(model, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
-    config = copy.deepcopy(model.generation_config)
-    config.eos_token_id = [model.config.vocab_size]  # an id never produced: EOS disabled
-    out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(
-            1, len(prompt), dtype=torch.long
-        ),  # a prompt may hold pad_token_id
-        generation_config=config,
-        max_new_tokens=max_new,
-        do_sample=False,
-        pad_token_id=0,
-        output_logits=True,
-        return_dict_in_generate=True,
+    out = hf_generate_no_eos(
+        model, prompt, max_new, output_logits=True, return_dict_in_generate=True
     )
     tokens = out.sequences[0, len(prompt) :].tolist()
     assert len(tokens) == max_new

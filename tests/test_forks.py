@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from checkpoints import load_hf_model, make_checkpoint
+from checkpoints import hf_generate_no_eos, load_hf_model, make_checkpoint
 
 from prefixserve import LLM, BeamSearchParams, SamplingParams
 
@@ -98,23 +96,15 @@ def beam_case(request, tmp_path_factory):
     return folder, load_hf_model(folder)
 
 
-@torch.no_grad()
 def _hf_beams(model, prompt: list[int], width: int, max_new: int) -> list[list[int]]:
-    config = copy.deepcopy(model.generation_config)
-    config.eos_token_id = [model.config.vocab_size]  # never produced: EOS disabled
-    out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(
-            1, len(prompt), dtype=torch.long
-        ),  # a prompt may hold pad_token_id
-        generation_config=config,
+    out = hf_generate_no_eos(
+        model,
+        prompt,
+        max_new,
         num_beams=width,
         num_return_sequences=width,
-        max_new_tokens=max_new,
-        do_sample=False,
         early_stopping=False,
         length_penalty=1.0,
-        pad_token_id=0,
     )
     return [row[len(prompt) :].tolist() for row in out]
 

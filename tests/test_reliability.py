@@ -10,20 +10,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import random
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 import httpx
 import pytest
 from prefixserve.api.async_engine import AsyncEngine
 from prefixserve.api.server import ServerConfig, create_app
-from test_server import MODEL, free_port, metric, scrape
+from test_server import MODEL, metric, scrape, server_process
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.config import EngineConfig
@@ -236,42 +233,9 @@ def test_one_failing_request_fails_alone():
 # ---- real server processes: death, disconnects, drain ---------------------------------------------
 
 
-@contextmanager
-def server_process(*extra: str, env: dict | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
-    """A ``prefixserve serve`` process on a free port, once healthy; killed if still running."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "prefixserve", "serve", "--port", str(port)]
-    cmd += ["--num-kv-blocks", "256", "--max-model-len", "1024", "--log-level", "warning", *extra]
-    proc = subprocess.Popen(
-        cmd,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{proc.stdout.read()}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not become healthy"
-            time.sleep(0.2)
-        yield proc, base
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-
-
 def test_dead_engine_loop_turns_health_503_and_exits_non_zero():
     env = {"PREFIXSERVE_FAULT_INJECT": "step_after:3"}
-    with server_process(env=env) as (proc, base):
+    with server_process(env=env, num_kv_blocks=256) as (proc, base):
         r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 20}, timeout=30)
         assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
         with contextlib.suppress(httpx.TransportError):  # already gone: also fine
@@ -281,7 +245,7 @@ def test_dead_engine_loop_turns_health_503_and_exits_non_zero():
 
 @pytest.fixture(scope="module")
 def drain_server():
-    with server_process("--shutdown-grace-seconds", "2") as (proc, base):
+    with server_process("--shutdown-grace-seconds", "2", num_kv_blocks=256) as (proc, base):
         yield proc, base
 
 

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
@@ -25,24 +26,17 @@ def free_port() -> int:
 
 
 @contextmanager
-def launch_server(*extra: str, env: dict | None = None, timeout: float = 90.0):
-    """Start ``python -m prefixserve serve`` on a free port; yield its base URL; always stop it."""
+def server_process(
+    *extra: str, env: dict | None = None, num_kv_blocks: int = 512, timeout: float = 90.0
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``python -m prefixserve serve`` on a free port, once healthy: yields (process, base URL).
+
+    On exit a process still running is terminated (killed if it does not stop in 15 s).
+    """
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "prefixserve",
-        "serve",
-        "--port",
-        str(port),
-        "--num-kv-blocks",
-        "512",
-        "--max-model-len",
-        "1024",
-        "--log-level",
-        "warning",
-        *extra,
-    ]
+    cmd = [sys.executable, "-m", "prefixserve", "serve", "--port", str(port)]
+    cmd += ["--num-kv-blocks", str(num_kv_blocks), "--max-model-len", "1024"]
+    cmd += ["--log-level", "warning", *extra]
     proc = subprocess.Popen(
         cmd,
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
@@ -64,14 +58,22 @@ def launch_server(*extra: str, env: dict | None = None, timeout: float = 90.0):
             if time.monotonic() > deadline:
                 raise TimeoutError("server did not become healthy")
             time.sleep(0.2)
-        yield base
+        yield proc, base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        proc.wait()
+
+
+@contextmanager
+def launch_server(*extra: str, env: dict | None = None) -> Iterator[str]:
+    """``server_process`` yielding only the base URL."""
+    with server_process(*extra, env=env) as (_, base):
+        yield base
 
 
 def scrape(base: str) -> dict[str, float]:

@@ -151,3 +151,20 @@ def test_prefix_groups_match_dense_reference(seed, gqa):
         torch.testing.assert_close(out[start : start + n], ref, rtol=1e-4, atol=1e-5)
         start += n
     torch.testing.assert_close(out, plain, rtol=1e-4, atol=1e-5)
+
+
+def test_prefix_groups_split_where_sharing_nests():
+    """A preamble shared by all, documents shared within two sets: two groups, one per set."""
+    from prefixserve.model_runner import _prefix_groups
+
+    preamble = [0, 1, 2, 3]
+    set_a, set_b = list(range(10, 30)), list(range(40, 60))
+    tables = [preamble + set_a + [100 + i] for i in range(3)]
+    tables += [preamble + set_b + [200 + i] for i in range(2)]
+    tables.append(preamble + [300, 301, 302, 303, 304])  # shares only the preamble
+    starts = [len(t) * 8 - 3 for t in tables]
+    groups = _prefix_groups(tables, starts, block_size=8)
+    assert sorted(groups) == [([0, 1, 2], 24), ([3, 4], 24)]
+    # shallow sharing only: one group over the preamble
+    groups = _prefix_groups([preamble + [50 + i] * 20 for i in range(4)], [300] * 4, block_size=16)
+    assert groups == [([0, 1, 2, 3], 4)]
