@@ -7,10 +7,9 @@ import asyncio
 import hmac
 import json
 import logging
-import shutil
-from pathlib import Path
 
 import pytest
+from checkpoints import make_checkpoint
 from prefixserve.api.server import ServerConfig
 from test_reliability import inprocess, sse_events, wait_idle
 from test_server import MODEL
@@ -18,8 +17,6 @@ from test_server import MODEL
 from prefixserve import LLM, SamplingParams
 from prefixserve.cli import build_parser
 from prefixserve.errors import ModelLoadError
-
-BENCH_MODEL = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "bench-model"
 
 
 def test_api_key_is_compared_in_constant_time(monkeypatch):
@@ -102,9 +99,10 @@ def test_require_cache_salt():
 
 
 def test_pickle_only_checkpoint_is_refused(tmp_path):
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(BENCH_MODEL / name, tmp_path / name)
-    (tmp_path / "pytorch_model.bin").write_bytes(b"pickle would run code here")
+    folder = make_checkpoint("llama", tmp_path)
+    for weights in folder.glob("*.safetensors*"):
+        weights.unlink()
+    (folder / "pytorch_model.bin").write_bytes(b"pickle would run code here")
     with pytest.raises(ModelLoadError, match="safetensors"):
         LLM(model=str(tmp_path))
 
