@@ -2,11 +2,14 @@
 
 One ``step()``::
 
-    Scheduler.schedule()  -> which sequences run, how many tokens each, block copies
+    Scheduler.schedule()  -> which sequences run, how many tokens each, block copies; blocks
+                             that this step fills are registered in the prefix cache already
     ModelRunner.execute() -> copies, one forward over the flattened batch, logits of samplers
-    Scheduler.update_computed() -> num_computed_tokens advance, newly full blocks registered
-    fork n>1 groups whose prompt just finished, then Sampler -> tokens (+ logprobs)
-    append tokens, detokenize, check stops; free finished sequences and requests
+    Scheduler.update_computed() -> num_computed_tokens advance
+    fork n>1 groups whose prompt just finished
+    OutputProcessor.process() -> sample, append, detokenize, check stops, free finished sequences
+    BeamSearchStepper.step()  -> the same for beam-search groups
+    finish requests whose sequences all finished; a request whose processing failed ends alone
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from prefixserve.errors import CacheCapacityError, InvalidArgumentError, PromptT
 from prefixserve.kv.kv_cache_manager import KVCacheManager
 from prefixserve.model_runner import ModelRunner
 from prefixserve.models.loader import load_tokenizer
+from prefixserve.output_processor import OutputProcessor, describe_error
 from prefixserve.outputs import CompletionOutput, RequestOutput
-from prefixserve.sampler import Sampler, SamplerOutput, SamplingMetadata
+from prefixserve.sampler import Sampler
 from prefixserve.sampling_params import BeamSearchParams, SamplingParams
 from prefixserve.scheduler import ScheduledSeq, Scheduler
 from prefixserve.sequence import Request, Sequence
@@ -76,6 +80,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler()
         self.beam_stepper = BeamSearchStepper(self)
+        self.output_processor = OutputProcessor(self)
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
         self.step_times = StepTimes()
@@ -258,15 +263,12 @@ class LLMEngine:
         for request in touched.values():
             if request.first_token_time is None:
                 request.first_token_time = now
-        failed: dict[str, str] = {}
-        rows = self._drop_non_finite(rows, logits, failed)
-        if rows:
-            self._sample_and_append(rows, logits, failed)
+        failed = self.output_processor.process(rows, logits)
         for rid, group_rows in beam_rows.items():
             try:
                 self.beam_stepper.step(touched[rid], group_rows, logits)
             except Exception as exc:
-                failed[rid] = _describe(exc, "beam search")
+                failed[rid] = describe_error(exc, "beam search")
         t3 = time.perf_counter()
         times.sample += t3 - t2
         outputs = []
@@ -293,20 +295,6 @@ class LLMEngine:
         output.error = message
         return output
 
-    @staticmethod
-    def _drop_non_finite(
-        rows: list[tuple[Request, Sequence, int]], logits: torch.Tensor, failed: dict[str, str]
-    ) -> list[tuple[Request, Sequence, int]]:
-        """Rows whose logits hold NaN or inf fail their request instead of poisoning sampling."""
-        finite = torch.isfinite(logits).all(dim=-1)
-        if bool(finite.all()):
-            return rows
-        bad = set((~finite).nonzero().flatten().tolist())
-        for request, _, i in rows:
-            if i in bad:
-                failed[request.request_id] = "the model produced non-finite logits"
-        return [row for row in rows if row[0].request_id not in failed]
-
     def _fork_if_first_sample(self, request: Request, sched: ScheduledSeq) -> list[Sequence]:
         """The prompt of an n>1 request is computed once; its n samples fork from it here."""
         seq = sched.seq
@@ -321,111 +309,6 @@ class LLMEngine:
             request.seqs.append(child)
             children.append(child)
         return [seq, *children]
-
-    def _sample_and_append(
-        self,
-        rows: list[tuple[Request, Sequence, int]],
-        logits: torch.Tensor,
-        failed: dict[str, str],
-    ) -> None:
-        """Sample every row in one batch; if that raises, retry request by request to isolate it."""
-        try:
-            result = self._sample(rows, logits)
-        except Exception:
-            by_request: dict[str, list[tuple[Request, Sequence, int]]] = {}
-            for row in rows:
-                by_request.setdefault(row[0].request_id, []).append(row)
-            for rid, group in by_request.items():
-                try:
-                    self._append_sampled(group, self._sample(group, logits), failed)
-                except Exception as exc:
-                    failed[rid] = _describe(exc, "sampling")
-            return
-        self._append_sampled(rows, result, failed)
-
-    def _sample(
-        self, rows: list[tuple[Request, Sequence, int]], logits: torch.Tensor
-    ) -> SamplerOutput:
-        params = [r.params for r, _, _ in rows]
-        seqs = [s for _, s, _ in rows]
-        index = torch.tensor([i for _, _, i in rows], dtype=torch.int64, device=logits.device)
-        row_logits = logits.index_select(0, index) if len(rows) != logits.shape[0] else logits
-        metadata = SamplingMetadata.from_params(
-            params,
-            output_token_ids=[s.output_token_ids for s in seqs],
-            prompt_token_ids=[r.prompt_token_ids for r, _, _ in rows],
-            generators={j: s.generator for j, s in enumerate(seqs) if s.generator is not None},
-            banned_token_ids=[self._banned_tokens(p, s) for p, s in zip(params, seqs)],
-            device=logits.device,
-        )
-        return self.sampler(row_logits, metadata)
-
-    def _banned_tokens(self, params: SamplingParams, seq: Sequence) -> list[int]:
-        if seq.num_output_tokens >= params.min_tokens:
-            return []
-        banned = list(params.stop_token_ids)
-        if not params.ignore_eos:
-            banned.extend(self.eos_token_ids)
-        return banned
-
-    def _append_sampled(
-        self,
-        rows: list[tuple[Request, Sequence, int]],
-        result: SamplerOutput,
-        failed: dict[str, str],
-    ) -> None:
-        token_ids = result.sampled_token_ids.tolist()
-        sampled_lps = result.sampled_logprobs.tolist()
-        topk_ids = result.topk_token_ids.tolist() if result.topk_token_ids is not None else None
-        topk_lps = result.topk_logprobs.tolist() if result.topk_logprobs is not None else None
-        for j, (request, seq, _) in enumerate(rows):
-            if request.request_id in failed:
-                continue
-            topk = (
-                list(zip(topk_ids[j], topk_lps[j])) if seq.logprobs is not None and topk_ids else []
-            )
-            try:
-                self._append_one(request, seq, token_ids[j], sampled_lps[j], topk)
-            except Exception as exc:
-                failed[request.request_id] = _describe(exc, "output processing")
-
-    def _append_one(
-        self,
-        request: Request,
-        seq: Sequence,
-        token: int,
-        logprob: float,
-        topk: list[tuple[int, float]],
-    ) -> None:
-        """Append a sampled token with its logprobs, then check the stop conditions."""
-        self.scheduler.append_token(request, seq, token)
-        self.counters.generation_tokens += 1
-        seq.cumulative_logprob += logprob
-        if seq.logprobs is not None:
-            entry = {token: logprob}
-            for tid, lp in topk[: request.params.logprobs]:
-                entry.setdefault(tid, lp)
-            seq.logprobs.append(entry)
-        self._check_stop(request, seq, token)
-        if seq.is_finished:
-            self.scheduler.free_seq(seq)
-
-    def _check_stop(self, request: Request, seq: Sequence, token: int) -> None:
-        params: SamplingParams = request.params  # type: ignore[assignment]
-        stop_str = seq.detokenizer.update([token])
-        past_min = seq.num_output_tokens >= params.min_tokens
-        if past_min and not params.ignore_eos and token in self.eos_token_ids:
-            seq.finish_reason = "stop"
-        elif past_min and token in params.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif stop_str is not None:
-            seq.finish_reason, seq.stop_reason = "stop", stop_str
-        elif seq.num_tokens >= request.max_total_tokens:
-            seq.finish_reason = "length"
-        if seq.is_finished and stop_str is None:
-            seq.detokenizer.flush()
-
-    # ---- outputs and stats -------------------------------------------------------------------
 
     def _make_output(self, request: Request) -> RequestOutput:
         if request.is_beam_search:
@@ -462,7 +345,3 @@ class LLMEngine:
 def _derive_seed(seed: int, index: int) -> int:
     """Sample ``index`` of a seeded request gets its own stream; sample 0 uses the seed itself."""
     return seed if index == 0 else (seed * 1_000_003 + index) % (2**63)
-
-
-def _describe(exc: Exception, stage: str) -> str:
-    return f"internal error in {stage}: {type(exc).__name__}: {exc}"
