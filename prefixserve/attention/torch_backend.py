@@ -1,20 +1,20 @@
 """``TorchAttentionBackend``: the reference backend, plain torch on CPU or CUDA.
 
-Cascade attention over shared prefixes: sequences whose block tables start with the same blocks
-(requests that hit one cached system prompt, forked samples and beams) form a prefix group.
-Attention of each query then splits into two parts merged by log-sum-exp::
+Each query's context splits into up to three parts, each attended without a per-row mask, and the
+partial results are merged by log-sum-exp (``out = sum_p e^lse_p out_p / sum_p e^lse_p``)::
 
-    group g: shared blocks b_0 .. b_{m-1}  (m * block_size tokens, before every query of g)
-    part 1: every query of g against the shared tokens, computed ONCE per group, no mask
-    part 2: each query against its own sequence's tokens after the shared ones, causal
-    out = (e^lse1 * out1 + e^lse2 * out2) / (e^lse1 + e^lse2)
+    positions of sequence i:  | shared prefix | prior context | this step's chunk |
+                              0           start_i     seq_len_i - query_len_i    seq_len_i
+    part 1 (prefix groups):   every query of the group, once per GROUP, no mask
+    part 2 (prior context):   each query sees all of it; only key padding is masked
+    part 3 (the chunk):       causal among the chunk's own tokens (K/V straight from this step)
 
-Part 2 runs in a few batched calls ("buckets"): all decodes together, and prefill chunks grouped
-by query length so a long chunk never pads many short ones to its length::
-
-    context K/V of sequence i, from position start_i (its group's shared tokens, else 0):
-    blocks block_tables[i][start_i / bs :] gathered into (G, L, nkv, hd), L = max(seq_len - start)
-    query j of sequence i sits at position seq_len_i - query_len_i + j and sees keys <= that
+Prefix groups (``AttentionMetadata.prefix_groups``) are sequences whose block tables start with
+the same blocks: requests that hit one cached system prompt, forked samples, beams; attention over
+those blocks runs once for the whole group (cascade attention). Decodes (a chunk of one token)
+need only part 2 with their own token included. Parts 2 and 3 run in a few batched calls
+("buckets"): all decodes together, and prefill chunks grouped by length so a long chunk never pads
+many short ones. On CPU every part runs torch's fused flash-attention kernel.
 """
 
 from __future__ import annotations
@@ -56,7 +56,11 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(query)
         lse = query.new_empty(query.shape[:2])  # (T, nh)
         for seqs in _buckets(md):
-            self._attend_suffix(query, kv_cache, md, qsl, seqs, starts, scale, out, lse)
+            if md.query_lens_cpu[seqs[0]] == 1:
+                self._attend_decodes(query, kv_cache, md, qsl, seqs, starts, scale, out, lse)
+            else:
+                args = (query, key, value, kv_cache, md, qsl, seqs, starts, scale, out, lse)
+                self._attend_chunks(*args)
         for members, num_blocks in md.prefix_groups:
             self._merge_shared(query, kv_cache, md, qsl, members, num_blocks, scale, out, lse)
         return out
@@ -79,7 +83,7 @@ class TorchAttentionBackend(AttentionBackend):
         v_flat.index_copy_(0, slots, value)
 
     @staticmethod
-    def _attend_suffix(
+    def _attend_decodes(
         query: torch.Tensor,
         kv_cache: torch.Tensor,
         md: AttentionMetadata,
@@ -90,60 +94,62 @@ class TorchAttentionBackend(AttentionBackend):
         out: torch.Tensor,
         lse: torch.Tensor,
     ) -> None:
-        """Part 2 for the sequences ``seqs``: each query against its own context from ``start``."""
-        device = query.device
-        bs = kv_cache.shape[2]
-        q_lens = [md.query_lens_cpu[i] for i in seqs]
-        seq_lens = [md.seq_lens_cpu[i] for i in seqs]
+        """Part 2 for one-token chunks: each query sees its context from ``start`` to itself."""
+        token_idx = torch.tensor([qsl[i] for i in seqs], device=query.device)
         first = [starts[i] for i in seqs]
-        g, max_q = len(seqs), max(q_lens)
-        max_len = max(s - f for s, f in zip(seq_lens, first))
-        nblocks = -(-max_len // bs)
-        rows = torch.tensor(seqs, device=device)
-        start_blocks = torch.tensor([f // bs for f in first], device=device)
-        cols = (start_blocks[:, None] + torch.arange(nblocks, device=device)).clamp_(
-            max=md.block_tables.shape[1] - 1
-        )
-        tables = md.block_tables[rows[:, None], cols].long()  # (G, nb)
-        k = kv_cache[0][tables].flatten(1, 2)[:, :max_len]  # (G, L, nkv, hd)
-        v = kv_cache[1][tables].flatten(1, 2)[:, :max_len]
+        lengths = [md.seq_lens_cpu[i] - f for i, f in zip(seqs, first)]
+        k, v, bias = _gather_context(kv_cache, md, seqs, first, lengths)
+        o, o_lse = _attention(query[token_idx].unsqueeze(1), k, v, bias, scale)
+        out[token_idx] = o[:, 0]
+        lse[token_idx] = o_lse[:, 0]
 
+    @staticmethod
+    def _attend_chunks(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        qsl: list[int],
+        seqs: list[int],
+        starts: list[int],
+        scale: float,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
+        """Parts 2 and 3 for prefill chunks, padded to the bucket's longest chunk."""
+        device = query.device
+        q_lens = [md.query_lens_cpu[i] for i in seqs]
+        g, max_q = len(seqs), max(q_lens)
         token_idx = torch.tensor(
             [t for i in seqs for t in range(qsl[i], qsl[i] + md.query_lens_cpu[i])], device=device
         )
-        if max_q == 1:
-            q = query[token_idx].unsqueeze(1)  # (G, 1, nh, hd)
-            slot_rows, slot_offs = None, None
-        else:
-            slot_rows = torch.repeat_interleave(
-                torch.arange(g, device=device), torch.tensor(q_lens, device=device)
+        rows = torch.repeat_interleave(
+            torch.arange(g, device=device), torch.tensor(q_lens, device=device)
+        )
+        offs = torch.tensor([j for n in q_lens for j in range(n)], device=device)
+        q = query.new_zeros(g, max_q, *query.shape[1:])  # (G, Q, nh, hd)
+        kc = key.new_zeros(g, max_q, *key.shape[1:])  # (G, Q, nkv, hd), the chunk's own K/V
+        vc = value.new_zeros(g, max_q, *value.shape[1:])
+        q[rows, offs], kc[rows, offs], vc[rows, offs] = (
+            query[token_idx],
+            key[token_idx],
+            value[token_idx],
+        )
+        # Part 3: top-left causal; padded keys (j >= query_len) are seen by padded rows only.
+        o, o_lse = _attention(q, kc, vc, None, scale, causal=True)  # (G, Q, nh, hd), (G, Q, nh)
+        prior = [md.seq_lens_cpu[i] - n - starts[i] for i, n in zip(seqs, q_lens)]
+        with_prior = [r for r, p in enumerate(prior) if p > 0]
+        if with_prior:  # part 2: the context before the chunk, all visible
+            sub = [seqs[r] for r in with_prior]
+            k, v, bias = _gather_context(
+                kv_cache, md, sub, [starts[i] for i in sub], [prior[r] for r in with_prior]
             )
-            slot_offs = torch.tensor([j for n in q_lens for j in range(n)], device=device)
-            q = query.new_zeros(g, max_q, *query.shape[1:])
-            q[slot_rows, slot_offs] = query[token_idx]
-        if all(f == 0 and n == sl for f, n, sl in zip(first, q_lens, seq_lens)):
-            # Whole prompts: plain causal attention; padded keys are seen by padded rows only.
-            o, o_lse = _attention(q, k, v, None, scale, causal=True)  # (G, Q, nh, hd), (G, Q, nh)
-        else:
-            # Padded query rows (j >= query_len) sit at positions >= seq_len: they still see keys
-            # < seq_len, so no row is all-masked (no NaN); their outputs are dropped.
-            seq_lens_t = torch.tensor(seq_lens, device=device)
-            q_pos = (seq_lens_t - torch.tensor(q_lens, device=device))[:, None] + torch.arange(
-                max_q, device=device
-            )  # (G, Q)
-            k_pos = torch.tensor(first, device=device)[:, None] + torch.arange(
-                max_len, device=device
-            )
-            mask = (k_pos[:, None, :] <= q_pos[:, :, None]) & (
-                k_pos[:, None, :] < seq_lens_t[:, None, None]
-            )  # (G, Q, L)
-            o, o_lse = _attention(q, k, v, mask, scale)
-        if slot_rows is None:
-            out[token_idx] = o[:, 0]
-            lse[token_idx] = o_lse[:, 0]
-        else:
-            out[token_idx] = o[slot_rows, slot_offs]
-            lse[token_idx] = o_lse[slot_rows, slot_offs]
+            idx = torch.tensor(with_prior, device=device)
+            o2, lse2 = _attention(q[idx], k, v, bias, scale)
+            o[idx], o_lse[idx] = _merge(o[idx], o_lse[idx], o2, lse2)
+        out[token_idx] = o[rows, offs]
+        lse[token_idx] = o_lse[rows, offs]
 
     @staticmethod
     def _merge_shared(
@@ -169,26 +175,22 @@ class TorchAttentionBackend(AttentionBackend):
         q = query[token_idx][None]  # (1, Tg, nh, hd)
         o1, l1 = _attention(q, k, v, None, scale)
         o1, l1 = o1[0], l1[0]
-        o2, l2 = out[token_idx], lse[token_idx]
-        total = torch.logaddexp(l1, l2)  # (Tg, nh)
-        merged = o1 * torch.exp(l1 - total)[..., None] + o2 * torch.exp(l2 - total)[..., None]
-        out[token_idx] = merged.to(out.dtype)
-        lse[token_idx] = total
+        out[token_idx], lse[token_idx] = _merge(o1, l1, out[token_idx], lse[token_idx])
 
 
 def _attention(
     q: torch.Tensor,  # (G, Q, nh, hd)
     k: torch.Tensor,  # (G, L, nkv, hd)
     v: torch.Tensor,  # (G, L, nkv, hd)
-    mask: torch.Tensor | None,  # (G, Q, L) True = attend, or None for all
+    bias: torch.Tensor | None,  # (G, 1, 1, L) additive key padding (0 or -inf), or None
     scale: float,
-    causal: bool = False,  # instead of a mask: query j sees keys <= j
+    causal: bool = False,  # query j sees keys <= j (top-left aligned); bias must be None
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (G, Q, nh, hd), (G, Q, nh)
     """Softmax attention that also returns each row's log-sum-exp (for merging partial results).
 
     Query head h reads KV head h // (nh / nkv), as grouped-query attention defines it. Without a
     causal mask the group's query heads are stacked into the query rows of their KV head, so K/V
-    are read once per KV head. On CPU this runs torch's fused flash-attention kernel.
+    are read once per KV head.
     """
     g, nq, nh, hd = q.shape
     nkv = k.shape[2]
@@ -200,16 +202,45 @@ def _attention(
         o, lse = _sdpa_with_lse(qh, kh, vh, None, scale, causal=True)
         return o.transpose(1, 2), lse.transpose(1, 2)
     qh = q.view(g, nq, nkv, grp, hd).permute(0, 2, 3, 1, 4).reshape(g, nkv, grp * nq, hd)
-    bias = None
-    if mask is not None:
-        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
-            ~mask, float("-inf")
-        )
-        bias = bias[:, None, None].expand(g, 1, grp, nq, mask.shape[-1]).reshape(g, 1, grp * nq, -1)
     o, lse = _sdpa_with_lse(qh, k.transpose(1, 2), v.transpose(1, 2), bias, scale)
     o = o.view(g, nkv, grp, nq, hd).permute(0, 3, 1, 2, 4).reshape(g, nq, nh, hd)
     lse = lse.view(g, nkv, grp, nq).permute(0, 3, 1, 2).reshape(g, nq, nh)
     return o, lse
+
+
+def _gather_context(
+    kv_cache: torch.Tensor,
+    md: AttentionMetadata,
+    seqs: list[int],
+    first: list[int],
+    lengths: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K/V of positions ``first .. first + length`` of each sequence (``first`` block-aligned),
+    padded to the longest: (G, L, nkv, hd) twice, and the key-padding bias (G, 1, 1, L)."""
+    device = kv_cache.device
+    bs = kv_cache.shape[2]
+    max_len = max(lengths)
+    rows = torch.tensor(seqs, device=device)
+    cols = torch.tensor([f // bs for f in first], device=device)[:, None] + torch.arange(
+        -(-max_len // bs), device=device
+    )
+    tables = md.block_tables[rows[:, None], cols.clamp_(max=md.block_tables.shape[1] - 1)].long()
+    k = kv_cache[0][tables].flatten(1, 2)[:, :max_len]  # (G, L, nkv, hd)
+    v = kv_cache[1][tables].flatten(1, 2)[:, :max_len]
+    padding = torch.arange(max_len, device=device) >= torch.tensor(lengths, device=device)[:, None]
+    bias = torch.zeros(padding.shape, dtype=k.dtype, device=device).masked_fill_(
+        padding, float("-inf")
+    )
+    return k, v, bias[:, None, None]
+
+
+def _merge(
+    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two attention results over disjoint key sets: (..., nh, hd) and (..., nh)."""
+    total = torch.logaddexp(lse1, lse2)
+    merged = o1 * torch.exp(lse1 - total)[..., None] + o2 * torch.exp(lse2 - total)[..., None]
+    return merged.to(o1.dtype), total
 
 
 def _sdpa_with_lse(
