@@ -107,12 +107,10 @@ class ModelRunner:
                 torch.tensor(dst, dtype=torch.int64, device=self.device),
             )
         batch = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first
-        input_ids, positions, meta, sample_rows, samplers = self._prepare_inputs(
-            batch, block_tables
-        )
+        input_ids, positions, meta, keep, samplers = self._prepare_inputs(batch, block_tables)
         t1 = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        logits = self.model.compute_logits(hidden[sample_rows])
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, keep)
+        logits = self.model.compute_logits(hidden)
         t2 = time.perf_counter()
         times.prepare += t1 - t0
         times.forward += t2 - t1
@@ -127,7 +125,8 @@ class ModelRunner:
         seq_lens: list[int] = []
         query_lens: list[int] = []
         tables: list[list[int]] = []
-        sample_rows: list[int] = []
+        sample_rows: list[int] = []  # the token that samples, per sampling sequence
+        sample_seqs: list[int] = []  # its sequence's index in the batch
         samplers: list[ScheduledSeq] = []
         num_decodes = 0
         for sched in batch:
@@ -146,6 +145,7 @@ class ModelRunner:
                 num_decodes += 1
             if sched.samples:
                 sample_rows.append(query_start_loc[-1] - 1)
+                sample_seqs.append(len(seq_lens) - 1)
                 samplers.append(sched)
         max_blocks = max(len(t) for t in tables)
         padded = [t + [0] * (max_blocks - len(t)) for t in tables]
@@ -165,8 +165,45 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        rows = torch.tensor(sample_rows, dtype=torch.int64, device=dev)
-        return ids, pos, meta, rows, samplers
+        keep = None
+        if len(sample_rows) < len(input_ids):  # the last layer runs for the sampling rows only
+            rows = torch.tensor(sample_rows, dtype=torch.int64, device=dev)
+            keep = (rows, sampling_rows_metadata(meta, rows, sample_seqs, tables, bs))
+        return ids, pos, meta, keep, samplers
+
+
+def sampling_rows_metadata(
+    meta: AttentionMetadata,
+    rows: torch.Tensor,
+    seqs: list[int],
+    tables: list[list[int]],
+    block_size: int,
+) -> AttentionMetadata | None:
+    """The batch's sampling tokens alone, each a one-token query over its whole context; None
+    when no token samples.
+
+    ``rows[j]`` is the last query token of batch sequence ``seqs[j]``; ``tables`` are the batch's
+    unpadded block tables. The model's last layer attends only from these rows (see
+    ``LlamaForCausalLM.forward``); their K/V, this step's included, are in the cache by then.
+    """
+    if not seqs:
+        return None
+    seq_lens = [meta.seq_lens_cpu[i] for i in seqs]
+    sub_tables = [tables[i] for i in seqs]
+    dev = meta.block_tables.device
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping[rows],
+        query_start_loc=torch.arange(len(seqs) + 1, dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        block_tables=meta.block_tables[seqs, : max(len(t) for t in sub_tables)],
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        num_decodes=len(seqs),
+        num_decode_tokens=len(seqs),
+        query_lens_cpu=[1] * len(seqs),
+        seq_lens_cpu=seq_lens,
+        prefix_groups=_prefix_groups(sub_tables, [n - 1 for n in seq_lens], block_size),
+    )
 
 
 def _prefix_groups(

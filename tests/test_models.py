@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import huggingface_hub.constants
 import pytest
 import torch
-from attn_utils import BlockAllocator, new_kv_caches, run_step
+from attn_utils import BlockAllocator, build_attn_metadata, new_kv_caches, run_step
 from checkpoints import ARCHS, hf_logits, load_hf_model, make_checkpoint
 
 from prefixserve.attention.torch_backend import TorchAttentionBackend
 from prefixserve.errors import ModelLoadError, UnsupportedModelError
+from prefixserve.model_runner import sampling_rows_metadata
 from prefixserve.models import (
     BUILTIN_MODEL_NAME,
     SUPPORTED_ARCHITECTURES,
@@ -22,6 +24,7 @@ from prefixserve.models import (
     load_tokenizer,
 )
 from prefixserve.models.builtin import builtin_weights
+from prefixserve.models.llama import MLP
 
 BS = 16
 ATOL = 1e-4
@@ -83,6 +86,52 @@ def test_mixed_batch_matches_separate_runs(checkpoints, arch):
     outs = run_step(model, kv, batch, tables, BS)
     for s, c, out in zip(seqs, cached, outs):
         torch.testing.assert_close(out, hf_logits(hf, s)[c:], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_last_layer_runs_only_for_sampling_rows(checkpoints, arch):
+    """With ``keep``, the sampling rows get the hidden states of the full forward and the cache
+    gets the same K/V; with no sampling row, the forward only writes K/V."""
+    _, _, model, config = checkpoints[arch]
+    seqs = [_prompt(n, 200 + n, config.vocab_size) for n in (18, 6, 30, 40)]
+    cached, new = [17, 5, 0, 10], [1, 1, 30, 20]  # two decodes, a whole prompt, a middle chunk
+    sampling = [0, 1, 2]  # the middle chunk (tokens 10..29 of 40) samples nothing
+    alloc, kv = BlockAllocator(32), new_kv_caches(config, 32, BS)
+    tables = [alloc.grow([], len(s), BS) for s in seqs]
+    warm = [i for i, c in enumerate(cached) if c]
+    run_step(model, kv, [(seqs[i], 0, cached[i]) for i in warm], [tables[i] for i in warm], BS)
+    positions, md = build_attn_metadata(list(zip(cached, new)), tables, BS)
+    ids = torch.tensor([t for s, c, n in zip(seqs, cached, new) for t in s[c : c + n]])
+    full_kv = kv.clone()
+    full = model(ids, positions, full_kv, md)
+    rows = md.query_start_loc[1:][sampling].long() - 1
+    for keep_seqs, keep_rows in ((sampling, rows), ([], rows[:0])):
+        pruned_kv = kv.clone()
+        md_rows = sampling_rows_metadata(md, keep_rows, keep_seqs, tables, BS)
+        step_md = dataclasses.replace(md, backend_plan=None)
+        pruned = model(ids, positions, pruned_kv, step_md, (keep_rows, md_rows))
+        torch.testing.assert_close(pruned, full[keep_rows], atol=1e-5, rtol=0)
+        torch.testing.assert_close(pruned_kv, full_kv, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_mlp_transposed_small_batches_match_plain(bias):
+    """CPU batches of at most ``TRANSPOSED_MAX_ROWS`` rows take ``W @ x^T``; larger ones
+    ``x @ W^T``; both equal the SwiGLU formula."""
+    config = dataclasses.replace(builtin_model_config(), mlp_bias=bias)
+    with torch.device("cpu"):
+        mlp = MLP(config)
+    gen = torch.Generator().manual_seed(0)
+    for p in mlp.parameters():
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    gu, down = mlp.gate_up_proj, mlp.down_proj
+    for rows in (1, MLP.TRANSPOSED_MAX_ROWS, MLP.TRANSPOSED_MAX_ROWS + 1):
+        x = torch.randn(rows, config.hidden_size, generator=gen)
+        gate, up = torch.nn.functional.linear(x, gu.weight, gu.bias).chunk(2, dim=-1)
+        ref = torch.nn.functional.linear(
+            torch.nn.functional.silu(gate) * up, down.weight, down.bias
+        )
+        torch.testing.assert_close(mlp(x), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_sharded_checkpoint_loads(checkpoints, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -96,9 +97,11 @@ def test_copy_blocks_copies_every_layer_and_kv():
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("gqa", [1, 4])
-def test_prefix_groups_match_dense_reference(seed, gqa):
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_prefix_groups_match_dense_reference(seed, gqa, consecutive):
     """Cascade attention: members share leading blocks (one physical copy); results equal the
-    dense reference, and equal the same batch run without groups."""
+    dense reference, and equal the same batch run without groups. Shared blocks that follow one
+    another in the pool are read as a view, others gathered; both are checked."""
     from prefixserve.model_runner import _prefix_groups
 
     rng = random.Random(seed)
@@ -111,6 +114,8 @@ def test_prefix_groups_match_dense_reference(seed, gqa):
     shared_k = torch.randn(shared_len, nkv, hd, generator=gen)
     shared_v = torch.randn(shared_len, nkv, hd, generator=gen)
     shared_blocks = list(range(shared_len // bs))
+    if not consecutive:
+        random.Random(seed).shuffle(shared_blocks)
     for p in range(shared_len):
         kv_cache[0, shared_blocks[p // bs], p % bs] = shared_k[p]
         kv_cache[1, shared_blocks[p // bs], p % bs] = shared_v[p]
@@ -143,8 +148,9 @@ def test_prefix_groups_match_dense_reference(seed, gqa):
     value = torch.cat([v[c:] for (c, _), v in zip(seqs, ctx_v)])
     scale = hd**-0.5
     out = TorchAttentionBackend().forward(query, key, value, kv_cache.clone(), md, scale)
-    md.prefix_groups = []
-    plain = TorchAttentionBackend().forward(query, key, value, kv_cache.clone(), md, scale)
+    assert (md.backend_plan.shared[0][1].run is not None) == consecutive  # view, or gather
+    plain_md = dataclasses.replace(md, prefix_groups=[], backend_plan=None)
+    plain = TorchAttentionBackend().forward(query, key, value, kv_cache.clone(), plain_md, scale)
     start = 0
     for (_, n), k, v in zip(seqs, ctx_k, ctx_v):
         ref = _dense(query[start : start + n], k, v, scale)

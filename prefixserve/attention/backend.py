@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -50,6 +51,9 @@ class AttentionMetadata:
     # starts with the same m blocks and every member's queries come after them. Backends that do
     # not use them stay correct; they only save recomputing attention over a shared prefix.
     prefix_groups: list[tuple[list[int], int]] = field(default_factory=list)
+    # Per-step state a backend derives from the fields above on its first layer and reuses in
+    # every later layer (the torch backend's index tensors). Set only by the backend.
+    backend_plan: Any = None
 
     @property
     def num_seqs(self) -> int:
@@ -82,6 +86,12 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Store the new K/V into ``kv_cache`` and return attention outputs for every query token."""
+
+    @abstractmethod
+    def store_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """Write token ``t``'s K/V at cache slot ``slots[t]``; slots of -1 are not written."""
 
     @abstractmethod
     def copy_blocks(self, kv_caches: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -15,11 +15,17 @@ those blocks runs once for the whole group (cascade attention). Decodes (a chunk
 need only part 2 with their own token included. Parts 2 and 3 run in a few batched calls
 ("buckets"): all decodes together, and prefill chunks grouped by length so a long chunk never pads
 many short ones. On CPU every part runs torch's fused flash-attention kernel.
+
+What depends only on the batch's shape (index tensors, buckets, key-padding biases, the blocks
+each part reads) is derived once per step (``_StepPlan``, kept in ``backend_plan``) and reused by
+every layer. A group's shared blocks that lie consecutively in the pool are read as a view of the
+cache instead of being gathered.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -46,31 +52,32 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:  # [T, nh, hd]
         md = attn_metadata
-        self._store(key, value, kv_cache, md.slot_mapping)
-        bs = kv_cache.shape[2]
-        qsl = md.query_start_loc_cpu
-        starts = [0] * md.num_seqs  # first context position each sequence attends to in part 2
-        for members, num_blocks in md.prefix_groups:
-            for i in members:
-                starts[i] = num_blocks * bs
+        self.store_kv(key, value, kv_cache, md.slot_mapping)
+        if md.backend_plan is None:
+            md.backend_plan = _StepPlan.build(md, kv_cache.shape[2], query.device)
+        plan: _StepPlan = md.backend_plan
         out = torch.empty_like(query)
         lse = query.new_empty(query.shape[:2])  # (T, nh)
-        for seqs in _buckets(md):
-            if md.query_lens_cpu[seqs[0]] == 1:
-                self._attend_decodes(query, kv_cache, md, qsl, seqs, starts, scale, out, lse)
-            else:
-                args = (query, key, value, kv_cache, md, qsl, seqs, starts, scale, out, lse)
-                self._attend_chunks(*args)
-        for members, num_blocks in md.prefix_groups:
-            self._merge_shared(query, kv_cache, md, qsl, members, num_blocks, scale, out, lse)
+        if plan.decodes is not None:
+            idx, ctx = plan.decodes
+            k, v = ctx.read(kv_cache)
+            o, o_lse = _attention(query[idx].unsqueeze(1), k, v, ctx.bias, scale)
+            out[idx], lse[idx] = o[:, 0], o_lse[:, 0]
+        for chunk in plan.chunks:
+            chunk.attend(query, key, value, kv_cache, scale, out, lse)
+        if plan.shared:
+            parts = [
+                _attention(query[idx][None], *ctx.read(kv_cache), None, scale)
+                for idx, ctx in plan.shared
+            ]
+            o1 = torch.cat([o[0] for o, _ in parts])
+            l1 = torch.cat([lse_p[0] for _, lse_p in parts])
+            idx = plan.shared_tokens
+            out[idx], lse[idx] = _merge(o1, l1, out[idx], lse[idx])
         return out
 
-    def copy_blocks(self, kv_caches: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        kv_caches[:, :, dst] = kv_caches[:, :, src]
-
-    @staticmethod
-    def _store(
-        key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
+    def store_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
     ) -> None:
         """Write each token's K/V at its slot; slots of -1 are skipped."""
         nkv, hd = key.shape[1:]
@@ -82,100 +89,151 @@ class TorchAttentionBackend(AttentionBackend):
         k_flat.index_copy_(0, slots, key)
         v_flat.index_copy_(0, slots, value)
 
-    @staticmethod
-    def _attend_decodes(
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        md: AttentionMetadata,
-        qsl: list[int],
-        seqs: list[int],
-        starts: list[int],
-        scale: float,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-    ) -> None:
-        """Part 2 for one-token chunks: each query sees its context from ``start`` to itself."""
-        token_idx = torch.tensor([qsl[i] for i in seqs], device=query.device)
-        first = [starts[i] for i in seqs]
-        lengths = [md.seq_lens_cpu[i] - f for i, f in zip(seqs, first)]
-        k, v, bias = _gather_context(kv_cache, md, seqs, first, lengths)
-        o, o_lse = _attention(query[token_idx].unsqueeze(1), k, v, bias, scale)
-        out[token_idx] = o[:, 0]
-        lse[token_idx] = o_lse[:, 0]
+    def copy_blocks(self, kv_caches: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        kv_caches[:, :, dst] = kv_caches[:, :, src]
 
-    @staticmethod
-    def _attend_chunks(
+
+@dataclass(slots=True)
+class _Context:
+    """A batch of G stretches of cached context, each a run of whole blocks, padded to ``length``.
+
+    ``blocks`` (G, nb) names the blocks to gather; ``run`` replaces it when G == 1 and the blocks
+    are consecutive in the pool, so they are read as a view without a copy. ``bias`` (G, 1, 1,
+    length) masks each stretch's padding with -inf; None when no stretch is padded.
+    """
+
+    length: int
+    blocks: torch.Tensor | None = None
+    run: tuple[int, int] | None = None
+    bias: torch.Tensor | None = None
+
+    @classmethod
+    def build(
+        cls, tables: list[list[int]], firsts: list[int], lengths: list[int], bs: int, device
+    ) -> _Context:
+        """Positions ``first .. first + length`` of each table (``first`` block-aligned)."""
+        length = max(lengths)
+        nb = -(-length // bs)
+        rows = [t[f // bs : f // bs + nb] for t, f in zip(tables, firsts)]
+        if len(rows) == 1 and rows[0] == list(range(rows[0][0], rows[0][0] + nb)):
+            return cls(length, run=(rows[0][0], rows[0][0] + nb))
+        rows = [r + [r[-1]] * (nb - len(r)) for r in rows]  # padding blocks are masked out
+        ctx = cls(length, blocks=torch.tensor(rows, dtype=torch.int64, device=device))
+        if any(n != length for n in lengths):
+            padding = torch.arange(length) >= torch.tensor(lengths)[:, None]
+            bias = torch.zeros(padding.shape).masked_fill_(padding, float("-inf"))
+            ctx.bias = bias[:, None, None].to(device)
+        return ctx
+
+    def read(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every stretch, (G, length, nkv, hd) each."""
+        if self.run is not None:
+            a, b = self.run
+            k, v = kv_cache[0, a:b], kv_cache[1, a:b]
+            return k.flatten(0, 1)[None, : self.length], v.flatten(0, 1)[None, : self.length]
+        g = self.blocks.shape[0]
+        flat = self.blocks.flatten()
+        k = kv_cache[0].index_select(0, flat).view(g, -1, *kv_cache.shape[3:])
+        v = kv_cache[1].index_select(0, flat).view(g, -1, *kv_cache.shape[3:])
+        return k[:, : self.length], v[:, : self.length]
+
+
+@dataclass(slots=True)
+class _ChunkBucket:
+    """Prefill chunks attended together (parts 2 and 3), padded to the longest (``max_q``)."""
+
+    token_idx: torch.Tensor  # (N,) the chunks' tokens in the batch
+    rows: torch.Tensor  # (N,) each token's chunk within the bucket
+    offs: torch.Tensor  # (N,) each token's offset within its chunk
+    num_chunks: int
+    max_q: int
+    prior: tuple[torch.Tensor, _Context] | None  # chunks with earlier context, and that context
+
+    def attend(
+        self,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        md: AttentionMetadata,
-        qsl: list[int],
-        seqs: list[int],
-        starts: list[int],
         scale: float,
         out: torch.Tensor,
         lse: torch.Tensor,
     ) -> None:
-        """Parts 2 and 3 for prefill chunks, padded to the bucket's longest chunk."""
-        device = query.device
-        q_lens = [md.query_lens_cpu[i] for i in seqs]
-        g, max_q = len(seqs), max(q_lens)
-        token_idx = torch.tensor(
-            [t for i in seqs for t in range(qsl[i], qsl[i] + md.query_lens_cpu[i])], device=device
-        )
-        rows = torch.repeat_interleave(
-            torch.arange(g, device=device), torch.tensor(q_lens, device=device)
-        )
-        offs = torch.tensor([j for n in q_lens for j in range(n)], device=device)
-        q = query.new_zeros(g, max_q, *query.shape[1:])  # (G, Q, nh, hd)
-        kc = key.new_zeros(g, max_q, *key.shape[1:])  # (G, Q, nkv, hd), the chunk's own K/V
-        vc = value.new_zeros(g, max_q, *value.shape[1:])
-        q[rows, offs], kc[rows, offs], vc[rows, offs] = (
-            query[token_idx],
-            key[token_idx],
-            value[token_idx],
-        )
+        shape = (self.num_chunks, self.max_q)
+        q = query.new_zeros(*shape, *query.shape[1:])  # (G, Q, nh, hd)
+        kc = key.new_zeros(*shape, *key.shape[1:])  # (G, Q, nkv, hd), the chunk's own K/V
+        vc = value.new_zeros(*shape, *value.shape[1:])
+        ti, rows, offs = self.token_idx, self.rows, self.offs
+        q[rows, offs], kc[rows, offs], vc[rows, offs] = query[ti], key[ti], value[ti]
         # Part 3: top-left causal; padded keys (j >= query_len) are seen by padded rows only.
         o, o_lse = _attention(q, kc, vc, None, scale, causal=True)  # (G, Q, nh, hd), (G, Q, nh)
-        prior = [md.seq_lens_cpu[i] - n - starts[i] for i, n in zip(seqs, q_lens)]
-        with_prior = [r for r, p in enumerate(prior) if p > 0]
-        if with_prior:  # part 2: the context before the chunk, all visible
-            sub = [seqs[r] for r in with_prior]
-            k, v, bias = _gather_context(
-                kv_cache, md, sub, [starts[i] for i in sub], [prior[r] for r in with_prior]
-            )
-            idx = torch.tensor(with_prior, device=device)
-            o2, lse2 = _attention(q[idx], k, v, bias, scale)
+        if self.prior is not None:  # part 2: the context before the chunk, all visible
+            idx, ctx = self.prior
+            k, v = ctx.read(kv_cache)
+            o2, lse2 = _attention(q[idx], k, v, ctx.bias, scale)
             o[idx], o_lse[idx] = _merge(o[idx], o_lse[idx], o2, lse2)
-        out[token_idx] = o[rows, offs]
-        lse[token_idx] = o_lse[rows, offs]
+        out[ti], lse[ti] = o[rows, offs], o_lse[rows, offs]
 
-    @staticmethod
-    def _merge_shared(
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        md: AttentionMetadata,
-        qsl: list[int],
-        members: list[int],
-        num_blocks: int,
-        scale: float,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-    ) -> None:
-        """Part 1 for one prefix group, merged into ``out`` / ``lse`` by log-sum-exp."""
-        device = query.device
-        token_idx = torch.tensor(
-            [t for i in members for t in range(qsl[i], qsl[i] + md.query_lens_cpu[i])],
-            device=device,
-        )
-        shared = md.block_tables[members[0], :num_blocks].long()
-        k = kv_cache[0][shared].flatten(0, 1)[None]  # (1, P, nkv, hd)
-        v = kv_cache[1][shared].flatten(0, 1)[None]
-        q = query[token_idx][None]  # (1, Tg, nh, hd)
-        o1, l1 = _attention(q, k, v, None, scale)
-        o1, l1 = o1[0], l1[0]
-        out[token_idx], lse[token_idx] = _merge(o1, l1, out[token_idx], lse[token_idx])
+
+@dataclass(slots=True)
+class _StepPlan:
+    """What attention reads and writes in one step, derived once from the metadata and reused by
+    every layer: the decodes' context, the prefill buckets, and the prefix groups' shared blocks
+    (``shared``: each group's query tokens and blocks; ``shared_tokens``: all of them, in order)."""
+
+    decodes: tuple[torch.Tensor, _Context] | None
+    chunks: list[_ChunkBucket]
+    shared: list[tuple[torch.Tensor, _Context]]
+    shared_tokens: torch.Tensor | None
+
+    @classmethod
+    def build(cls, md: AttentionMetadata, bs: int, device: torch.device) -> _StepPlan:
+        qsl, q_lens, seq_lens = md.query_start_loc_cpu, md.query_lens_cpu, md.seq_lens_cpu
+        tables = md.block_tables.tolist()
+        starts = [0] * md.num_seqs  # first context position each sequence attends to in part 2
+        for members, num_blocks in md.prefix_groups:
+            for i in members:
+                starts[i] = num_blocks * bs
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        def context(seqs: list[int], lengths: list[int]) -> _Context:
+            firsts = [starts[i] for i in seqs]
+            return _Context.build([tables[i] for i in seqs], firsts, lengths, bs, device)
+
+        decodes = None
+        if md.num_decodes:
+            seqs = list(range(md.num_decodes))
+            lengths = [seq_lens[i] - starts[i] for i in seqs]
+            decodes = (tensor([qsl[i] for i in seqs]), context(seqs, lengths))
+        chunks = []
+        for seqs in _buckets(md):
+            lens = [q_lens[i] for i in seqs]
+            prior = [seq_lens[i] - n - starts[i] for i, n in zip(seqs, lens)]
+            with_prior = [r for r, p in enumerate(prior) if p > 0]
+            chunks.append(
+                _ChunkBucket(
+                    token_idx=tensor([t for i in seqs for t in range(qsl[i], qsl[i + 1])]),
+                    rows=tensor([r for r, n in enumerate(lens) for _ in range(n)]),
+                    offs=tensor([j for n in lens for j in range(n)]),
+                    num_chunks=len(seqs),
+                    max_q=max(lens),
+                    prior=(
+                        tensor(with_prior),
+                        context([seqs[r] for r in with_prior], [prior[r] for r in with_prior]),
+                    )
+                    if with_prior
+                    else None,
+                )
+            )
+        shared = []
+        for members, num_blocks in md.prefix_groups:
+            tokens = [t for i in members for t in range(qsl[i], qsl[i + 1])]
+            ctx = _Context.build([tables[members[0]]], [0], [num_blocks * bs], bs, device)
+            shared.append((tensor(tokens), ctx))
+        shared_tokens = torch.cat([idx for idx, _ in shared]) if shared else None
+        return cls(decodes, chunks, shared, shared_tokens)
 
 
 def _attention(
@@ -206,32 +264,6 @@ def _attention(
     o = o.view(g, nkv, grp, nq, hd).permute(0, 3, 1, 2, 4).reshape(g, nq, nh, hd)
     lse = lse.view(g, nkv, grp, nq).permute(0, 3, 1, 2).reshape(g, nq, nh)
     return o, lse
-
-
-def _gather_context(
-    kv_cache: torch.Tensor,
-    md: AttentionMetadata,
-    seqs: list[int],
-    first: list[int],
-    lengths: list[int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """K/V of positions ``first .. first + length`` of each sequence (``first`` block-aligned),
-    padded to the longest: (G, L, nkv, hd) twice, and the key-padding bias (G, 1, 1, L)."""
-    device = kv_cache.device
-    bs = kv_cache.shape[2]
-    max_len = max(lengths)
-    rows = torch.tensor(seqs, device=device)
-    cols = torch.tensor([f // bs for f in first], device=device)[:, None] + torch.arange(
-        -(-max_len // bs), device=device
-    )
-    tables = md.block_tables[rows[:, None], cols.clamp_(max=md.block_tables.shape[1] - 1)].long()
-    k = kv_cache[0][tables].flatten(1, 2)[:, :max_len]  # (G, L, nkv, hd)
-    v = kv_cache[1][tables].flatten(1, 2)[:, :max_len]
-    padding = torch.arange(max_len, device=device) >= torch.tensor(lengths, device=device)[:, None]
-    bias = torch.zeros(padding.shape, dtype=k.dtype, device=device).masked_fill_(
-        padding, float("-inf")
-    )
-    return k, v, bias[:, None, None]
 
 
 def _merge(
@@ -268,10 +300,8 @@ def _sdpa_with_lse(
 
 
 def _buckets(md: AttentionMetadata) -> list[list[int]]:
-    """Decodes in one bucket; prefill chunks by descending length, padding bounded per bucket."""
+    """Prefill chunks by descending length, padding bounded per bucket (decodes are not here)."""
     buckets: list[list[int]] = []
-    if md.num_decodes:
-        buckets.append(list(range(md.num_decodes)))
     prefills = sorted(range(md.num_decodes, md.num_seqs), key=lambda i: -md.query_lens_cpu[i])
     current: list[int] = []
     real = 0

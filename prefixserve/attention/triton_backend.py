@@ -83,8 +83,8 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         md = attn_metadata
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        query, key, value = (_last_dim_contiguous(x) for x in (query, key, value))
-        store_kv_cache(key, value, k_cache, v_cache, md.slot_mapping)
+        query = _last_dim_contiguous(query)
+        self.store_kv(key, value, kv_cache, md.slot_mapping)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         nd = md.num_decodes
         if nd > 0:
@@ -111,6 +111,12 @@ class TritonAttentionBackend(AttentionBackend):
                 out,
             )
         return out
+
+    def store_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
+        store_kv_cache(key, value, kv_cache[0], kv_cache[1], slots)
 
     def copy_blocks(self, kv_caches: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         copy_blocks(kv_caches, src, dst)
