@@ -33,8 +33,11 @@ from prefixserve.attention.backend import AttentionBackend, AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-# A prefill bucket may hold at most this many padded query slots per real query token.
-MAX_PADDING_FACTOR = 2.0
+# A prefill chunk joins a bucket (is padded to the bucket's longest chunk) only if that pads it to
+# at most MAX_PADDING_FACTOR times its length, or if the longest chunk has at most
+# FREE_PADDING_TOKENS tokens: there, one call for many short chunks beats the padding it costs.
+MAX_PADDING_FACTOR = 1.25
+FREE_PADDING_TOKENS = 64
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -300,20 +303,14 @@ def _sdpa_with_lse(
 
 
 def _buckets(md: AttentionMetadata) -> list[list[int]]:
-    """Prefill chunks by descending length, padding bounded per bucket (decodes are not here)."""
+    """Prefill chunks by descending length, in buckets of similar length (decodes are not here)."""
     buckets: list[list[int]] = []
-    prefills = sorted(range(md.num_decodes, md.num_seqs), key=lambda i: -md.query_lens_cpu[i])
-    current: list[int] = []
-    real = 0
-    for i in prefills:
+    for i in sorted(range(md.num_decodes, md.num_seqs), key=lambda i: -md.query_lens_cpu[i]):
         n = md.query_lens_cpu[i]
-        if current and (len(current) + 1) * md.query_lens_cpu[current[0]] > MAX_PADDING_FACTOR * (
-            real + n
-        ):
-            buckets.append(current)
-            current, real = [], 0
-        current.append(i)
-        real += n
-    if current:
-        buckets.append(current)
+        if buckets:
+            longest = md.query_lens_cpu[buckets[-1][0]]
+            if longest <= FREE_PADDING_TOKENS or longest <= MAX_PADDING_FACTOR * n:
+                buckets[-1].append(i)
+                continue
+        buckets.append([i])
     return buckets
