@@ -106,7 +106,11 @@ class ModelRunner:
                 torch.tensor(src, dtype=torch.int64, device=self.device),
                 torch.tensor(dst, dtype=torch.int64, device=self.device),
             )
-        batch = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first
+        # Decodes first; sequences that share leading blocks next to each other, so each prefix
+        # group's tokens are one slice of the batch.
+        batch = sorted(
+            out.scheduled, key=lambda s: (s.num_new_tokens != 1, block_tables[s.seq.seq_id])
+        )
         input_ids, positions, meta, keep, samplers = self._prepare_inputs(batch, block_tables)
         t1 = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, meta, keep)

@@ -61,22 +61,16 @@ class TorchAttentionBackend(AttentionBackend):
         plan: _StepPlan = md.backend_plan
         out = torch.empty_like(query)
         lse = query.new_empty(query.shape[:2])  # (T, nh)
-        if plan.decodes is not None:
-            idx, ctx = plan.decodes
-            k, v = ctx.read(kv_cache)
-            o, o_lse = _attention(query[idx].unsqueeze(1), k, v, ctx.bias, scale)
-            out[idx], lse[idx] = o[:, 0], o_lse[:, 0]
+        nd = md.num_decodes
+        if nd:  # the decodes are tokens 0 .. nd - 1
+            k, v = plan.decodes.read(kv_cache)
+            o, o_lse = _attention(query[:nd].unsqueeze(1), k, v, plan.decodes.bias, scale)
+            out[:nd], lse[:nd] = o[:, 0], o_lse[:, 0]
         for chunk in plan.chunks:
             chunk.attend(query, key, value, kv_cache, scale, out, lse)
-        if plan.shared:
-            parts = [
-                _attention(query[idx][None], *ctx.read(kv_cache), None, scale)
-                for idx, ctx in plan.shared
-            ]
-            o1 = torch.cat([o[0] for o, _ in parts])
-            l1 = torch.cat([lse_p[0] for _, lse_p in parts])
-            idx = plan.shared_tokens
-            out[idx], lse[idx] = _merge(o1, l1, out[idx], lse[idx])
+        for tokens, ctx in plan.shared:
+            o1, l1 = _attention(query[tokens][None], *ctx.read(kv_cache), None, scale)
+            out[tokens], lse[tokens] = _merge(o1[0], l1[0], out[tokens], lse[tokens])
         return out
 
     def store_kv(
@@ -181,13 +175,13 @@ class _ChunkBucket:
 @dataclass(slots=True)
 class _StepPlan:
     """What attention reads and writes in one step, derived once from the metadata and reused by
-    every layer: the decodes' context, the prefill buckets, and the prefix groups' shared blocks
-    (``shared``: each group's query tokens and blocks; ``shared_tokens``: all of them, in order)."""
+    every layer: the decodes' context, the prefill buckets, and per prefix group its query tokens
+    (a slice when they are adjacent in the batch, as the model runner orders them) and its shared
+    blocks."""
 
-    decodes: tuple[torch.Tensor, _Context] | None
+    decodes: _Context | None
     chunks: list[_ChunkBucket]
-    shared: list[tuple[torch.Tensor, _Context]]
-    shared_tokens: torch.Tensor | None
+    shared: list[tuple[slice | torch.Tensor, _Context]]
 
     @classmethod
     def build(cls, md: AttentionMetadata, bs: int, device: torch.device) -> _StepPlan:
@@ -208,8 +202,7 @@ class _StepPlan:
         decodes = None
         if md.num_decodes:
             seqs = list(range(md.num_decodes))
-            lengths = [seq_lens[i] - starts[i] for i in seqs]
-            decodes = (tensor([qsl[i] for i in seqs]), context(seqs, lengths))
+            decodes = context(seqs, [seq_lens[i] - starts[i] for i in seqs])
         chunks = []
         for seqs in _buckets(md):
             lens = [q_lens[i] for i in seqs]
@@ -233,10 +226,11 @@ class _StepPlan:
         shared = []
         for members, num_blocks in md.prefix_groups:
             tokens = [t for i in members for t in range(qsl[i], qsl[i + 1])]
+            adjacent = tokens == list(range(tokens[0], tokens[0] + len(tokens)))
+            sel = slice(tokens[0], tokens[0] + len(tokens)) if adjacent else tensor(tokens)
             ctx = _Context.build([tables[members[0]]], [0], [num_blocks * bs], bs, device)
-            shared.append((tensor(tokens), ctx))
-        shared_tokens = torch.cat([idx for idx, _ in shared]) if shared else None
-        return cls(decodes, chunks, shared, shared_tokens)
+            shared.append((sel, ctx))
+        return cls(decodes, chunks, shared)
 
 
 def _attention(
