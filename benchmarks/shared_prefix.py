@@ -23,6 +23,7 @@ prefix is cached against the same request shape uncached. Writes ``shared_prefix
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import statistics
@@ -65,6 +66,13 @@ def common_args(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="prefixserve")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="rounds; each round runs every system once, in turn, and figures come from each "
+        "system's median-time run (default 3, 1 with --quick)",
+    )
+    parser.add_argument(
         "--skip-hf", action="store_true", help="run prefixserve only (no baselines, no ratios)"
     )
     return parser
@@ -90,20 +98,40 @@ def run_comparison(
     )
     warm = [BenchRequest("warmup", random_tokens(random.Random(99), 48), 2)]
     run_engine(engine, warm)
-    engine.reset_prefix_cache()
-    done, wall = run_engine(engine, make_requests(), follow_up)
-    runs = {"prefixserve": (done, wall)}
+
+    step_times: list[dict[str, float]] = []  # prefixserve's phases, per round
+
+    def prefixserve() -> tuple[list[BenchRequest], float]:
+        engine.reset_prefix_cache()  # every round starts cold
+        before = dataclasses.replace(engine.step_times)
+        done, wall = run_engine(engine, make_requests(), follow_up)
+        step_times.append({k: v - getattr(before, k) for k, v in vars(engine.step_times).items()})
+        return done, wall
+
+    systems: dict[str, Callable[[], tuple[list[BenchRequest], float]]] = {
+        "prefixserve": prefixserve
+    }
     if not args.skip_hf:
         model = load_hf_model(folder)
         pad = pad_token_id(model)
         HFServer(model, 1, pad).run([BenchRequest("warmup", warm[0].prompt, 2)])
-        runs["hf-no-reuse"] = HFServer(model, args.hf_batch_size, pad).run(
-            make_requests(), follow_up
-        )
-        runs["hf-prefix-cache"] = HFServer(model, args.hf_batch_size, pad, prefix_len).run(
-            make_requests(), follow_up
-        )
-    systems = {name: summarize(d, w) for name, (d, w) in runs.items()}
+        no_reuse = HFServer(model, args.hf_batch_size, pad)
+        with_prefix = HFServer(model, args.hf_batch_size, pad, prefix_len)
+        systems["hf-no-reuse"] = lambda: no_reuse.run(make_requests(), follow_up)
+        systems["hf-prefix-cache"] = lambda: with_prefix.run(make_requests(), follow_up)
+    rounds: dict[str, list[tuple[list[BenchRequest], float]]] = {name: [] for name in systems}
+    repeats = args.repeats if args.repeats is not None else 1 if args.quick else 3
+    for _ in range(max(1, repeats)):
+        for name, run in systems.items():
+            rounds[name].append(run())
+    # Each system's median run by wall time (for an even count, the slower of the middle two).
+    median = {
+        name: sorted(range(len(rs)), key=lambda i: rs[i][1])[len(rs) // 2]
+        for name, rs in rounds.items()
+    }
+    runs = {name: rounds[name][i] for name, i in median.items()}
+    done = runs["prefixserve"][0]
+    systems_summary = {name: summarize(d, w) for name, (d, w) in runs.items()}
     block_size = engine.config.block_size
     result = {
         "workload": workload,
@@ -120,20 +148,35 @@ def run_comparison(
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "block_size": block_size,
         },
-        "systems": systems,
+        "repeats": len(rounds["prefixserve"]),
+        "wall_s_per_round": {name: [w for _, w in rs] for name, rs in rounds.items()},
+        "systems": systems_summary,
         "prefix_cache": hit_rate(done, block_size),
-        "cache_stats": engine.cache_stats(),
-        "step_times_s": vars(engine.step_times),
+        "hit_tokens_per_round": [
+            sum(r.num_cached_tokens for r in d) for d, _ in rounds["prefixserve"]
+        ],
+        "cache_stats_all_rounds": engine.cache_stats(),
+        "step_times_s": step_times[median["prefixserve"]],
         "ratios": {},
+        "ratios_per_round": {},
         "agreement": {},
     }
+
+    def tokens_per_s(run: tuple[list[BenchRequest], float]) -> float:
+        return sum(len(r.output) for r in run[0]) / run[1]
+
     for name in runs:
         if name != "prefixserve":
-            ratio = (
-                systems["prefixserve"]["output_tokens_per_s"] / systems[name]["output_tokens_per_s"]
+            key = f"prefixserve/{name}"
+            result["ratios"][key] = tokens_per_s(runs["prefixserve"]) / tokens_per_s(runs[name])
+            result["ratios_per_round"][key] = [
+                tokens_per_s(a) / tokens_per_s(b)
+                for a, b in zip(rounds["prefixserve"], rounds[name])
+            ]
+            # the worst agreement over the baseline's rounds
+            result["agreement"][name] = min(
+                (agreement(done, d) for d, _ in rounds[name]), key=lambda a: a["requests_pct"]
             )
-            result["ratios"][f"prefixserve/{name}"] = ratio
-            result["agreement"][name] = agreement(done, runs[name][0])
     return result
 
 
@@ -159,7 +202,11 @@ def save_and_print(result: dict, args: argparse.Namespace, stem: str, extra: str
     parts = [
         f"{wl['name']}{tag}: prefixserve {ps['requests_per_s']:.2f} req/s "
         f"{ps['output_tokens_per_s']:.1f} tok/s TTFT p50 {ps['ttft_ms_p50']:.0f} ms",
-        *(f"{k} {v:.2f}x" for k, v in result["ratios"].items()),
+        *(
+            f"{k} {v:.2f}x [rounds {min(rr):.2f}-{max(rr):.2f}]"
+            for k, v in result["ratios"].items()
+            for rr in [result["ratios_per_round"][k]]
+        ),
         f"hits {pc['hit_tokens']}/{pc['optimal_hit_tokens']} of optimum "
         f"({100 * pc['achieved_vs_optimum']:.1f}%)",
         *(f"agree {k} {v['requests_pct']:.0f}%" for k, v in result["agreement"].items()),
