@@ -83,7 +83,10 @@ class HFServer:
     def run(
         self, requests: list[BenchRequest], follow_up: FollowUp | None = None
     ) -> tuple[list[BenchRequest], float]:
-        """Serve ``requests`` (all submitted now) and their follow-ups; returns them and wall time."""
+        """Serve ``requests`` (all submitted now) and their follow-ups; returns them and wall time.
+
+        Every run starts cold: prefix caches of an earlier run are dropped first."""
+        self._prefix_caches.clear()
         start = time.perf_counter()
         queue: deque[BenchRequest] = deque()
         for req in requests:

@@ -86,6 +86,27 @@ def test_side_by_side_workloads(module, stem: str, tiny_model: Path, tmp_path: P
     assert "| prefixserve |" in table
 
 
+def test_hf_prefix_cache_server_starts_every_run_cold(tiny_model: Path) -> None:
+    """A second run of the prefix-cache baseline prefills its prefixes again (no reuse across
+    runs, as prefixserve's cache is reset between rounds)."""
+    model = bench_model.load_hf_model(tiny_model)
+    server = hf_baselines.HFServer(model, 2, hf_baselines.pad_token_id(model), {"g": 16})
+    prefills = []
+    forward = model.forward
+
+    def counting_forward(*args, **kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and ids.shape[1] == 16:
+            prefills.append(1)
+        return forward(*args, **kwargs)
+
+    model.forward = counting_forward
+    prompt = list(range(20, 36)) + [40, 41]
+    for _ in range(2):
+        server.run([bench_model.BenchRequest("r", prompt, 2, group="g")])
+    assert len(prefills) == 2
+
+
 def test_rounds_start_cold_and_report_the_median(tiny_model: Path, tmp_path: Path) -> None:
     """--repeats 3: every round runs every system; prefixserve's cache is reset between rounds,
     so each round hits exactly as much; the quoted figures are the median-time run's."""
