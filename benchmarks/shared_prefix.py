@@ -2,6 +2,7 @@
 
     python benchmarks/shared_prefix.py [--quick] [--groups 4] [--prompts-per-group 16]
         [--system-len 1024] [--question-len 32] [--output-len 32] [--hf-batch-size 16]
+        [--repeats 3]
 
 Workload (the shape of SGLang's generated-shared-prefix set, written anew): G groups, each one
 system prompt of S random tokens followed by P questions of Q random tokens (seeded); every request
@@ -9,7 +10,9 @@ generates O tokens, greedy, EOS ignored; all G*P requests are submitted at once.
 Machine: this CPU, float32, ``--threads`` torch threads for every system, one process.
 Systems (same weights, see ``hf_baselines.py``): prefixserve (LLMEngine driven step by step),
 ``hf-no-reuse`` (transformers generate, static batches, left padding), ``hf-prefix-cache``
-(transformers generate continuing from each group's prefilled, deep-copied DynamicCache).
+(transformers generate continuing from each group's prefilled, deep-copied DynamicCache). They run
+in ``--repeats`` rounds, each system once per round and every run cold (no cache carried over);
+each system's figures come from its median-time run, and every round's ratios are kept.
 
 Reports requests/s, output tokens/s, TTFT p50/p99 and TPOT p50 per system, the throughput ratios
 of prefixserve to each baseline, prefixserve's prefix-cache hits against the workload's optimum,
