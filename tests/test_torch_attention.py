@@ -84,6 +84,16 @@ def test_slot_minus_one_is_not_written():
     assert torch.equal(kv_cache[:, ~written], before[:, ~written])
 
 
+def test_empty_chunk_is_a_clear_error():
+    """A sequence with no query token is refused before any kernel sees it."""
+    kv_cache = torch.zeros(2, 4, 8, 2, 4)
+    _, md = build_attn_metadata([(0, 3), (3, 0)], [[1], [1]], 8)
+    with pytest.raises(ValueError, match="at least one query token"):
+        TorchAttentionBackend().forward(
+            torch.randn(3, 2, 4), torch.randn(3, 2, 4), torch.randn(3, 2, 4), kv_cache, md, 0.5
+        )
+
+
 def test_copy_blocks_copies_every_layer_and_kv():
     kv_caches = torch.randn(3, 2, 6, 4, 2, 8)
     before = kv_caches.clone()

@@ -186,6 +186,8 @@ class _StepPlan:
     @classmethod
     def build(cls, md: AttentionMetadata, bs: int, device: torch.device) -> _StepPlan:
         qsl, q_lens, seq_lens = md.query_start_loc_cpu, md.query_lens_cpu, md.seq_lens_cpu
+        if 0 in q_lens:  # torch's CPU flash kernel dies on an empty query (SIGFPE)
+            raise ValueError("every sequence of a batch needs at least one query token")
         tables = md.block_tables.tolist()
         starts = [0] * md.num_seqs  # first context position each sequence attends to in part 2
         for members, num_blocks in md.prefix_groups:
