@@ -57,7 +57,7 @@ class TorchAttentionBackend(AttentionBackend):
         md = attn_metadata
         self.store_kv(key, value, kv_cache, md.slot_mapping)
         if md.backend_plan is None:
-            md.backend_plan = _StepPlan.build(md, kv_cache.shape[2], query.device)
+            md.backend_plan = _StepPlan.build(md, kv_cache.shape[2], query.device, query.dtype)
         plan: _StepPlan = md.backend_plan
         out = torch.empty_like(query)
         lse = query.new_empty(query.shape[:2])  # (T, nh)
@@ -106,7 +106,13 @@ class _Context:
 
     @classmethod
     def build(
-        cls, tables: list[list[int]], firsts: list[int], lengths: list[int], bs: int, device
+        cls,
+        tables: list[list[int]],
+        firsts: list[int],
+        lengths: list[int],
+        bs: int,
+        device: torch.device,
+        dtype: torch.dtype,
     ) -> _Context:
         """Positions ``first .. first + length`` of each table (``first`` block-aligned)."""
         length = max(lengths)
@@ -118,7 +124,7 @@ class _Context:
         ctx = cls(length, blocks=torch.tensor(rows, dtype=torch.int64, device=device))
         if any(n != length for n in lengths):
             padding = torch.arange(length) >= torch.tensor(lengths)[:, None]
-            bias = torch.zeros(padding.shape).masked_fill_(padding, float("-inf"))
+            bias = torch.zeros(padding.shape, dtype=dtype).masked_fill_(padding, float("-inf"))
             ctx.bias = bias[:, None, None].to(device)
         return ctx
 
@@ -184,7 +190,9 @@ class _StepPlan:
     shared: list[tuple[slice | torch.Tensor, _Context]]
 
     @classmethod
-    def build(cls, md: AttentionMetadata, bs: int, device: torch.device) -> _StepPlan:
+    def build(
+        cls, md: AttentionMetadata, bs: int, device: torch.device, dtype: torch.dtype
+    ) -> _StepPlan:
         qsl, q_lens, seq_lens = md.query_start_loc_cpu, md.query_lens_cpu, md.seq_lens_cpu
         if 0 in q_lens:  # torch's CPU flash kernel dies on an empty query (SIGFPE)
             raise ValueError("every sequence of a batch needs at least one query token")
@@ -199,7 +207,7 @@ class _StepPlan:
 
         def context(seqs: list[int], lengths: list[int]) -> _Context:
             firsts = [starts[i] for i in seqs]
-            return _Context.build([tables[i] for i in seqs], firsts, lengths, bs, device)
+            return _Context.build([tables[i] for i in seqs], firsts, lengths, bs, device, dtype)
 
         decodes = None
         if md.num_decodes:
@@ -230,7 +238,8 @@ class _StepPlan:
             tokens = [t for i in members for t in range(qsl[i], qsl[i + 1])]
             adjacent = tokens == list(range(tokens[0], tokens[0] + len(tokens)))
             sel = slice(tokens[0], tokens[0] + len(tokens)) if adjacent else tensor(tokens)
-            ctx = _Context.build([tables[members[0]]], [0], [num_blocks * bs], bs, device)
+            shared_len = num_blocks * bs
+            ctx = _Context.build([tables[members[0]]], [0], [shared_len], bs, device, dtype)
             shared.append((sel, ctx))
         return cls(decodes, chunks, shared)
 
