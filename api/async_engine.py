@@ -6,7 +6,7 @@ Threads and ownership::
     add()   --> _pending adds  ------------->   engine.add_request  -> accepted | error
     abort() --> _pending aborts ------------>   engine.abort_request (between steps)
     RequestStream.queue  <-- call_soon_threadsafe --  engine.step() outputs, one batch per step
-    snapshot() <------------- lock-protected copy of the engine's stats, published every step
+    snapshot() <------------- the engine's latest ``EngineStats``, published every step
 
 Invariants: only the engine thread touches the engine; handlers never block on it (they await
 their stream's queue); every stream receives exactly one terminal item (a finished output, an
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from prefixserve.api.protocol import APIError
 
-from prefixserve.engine import LLMEngine
+from prefixserve.engine import EngineStats, LLMEngine
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import BeamSearchParams, SamplingParams
 
@@ -106,30 +106,19 @@ class RequestStream:
             ) from None
 
 
-@dataclass
-class EngineSnapshot:
-    """A consistent copy of engine figures, safe to read from any thread."""
-
-    cache: dict
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    num_preemptions: int = 0
-    num_steps: int = 0
-
-
 StepObserver = Callable[[list[RequestOutput], dict[str, float], float], None]
 
 
 class AsyncEngine:
-    """Owner of the engine thread. ``observer(outputs, arrival_times, now)`` runs on that thread."""
+    """Owner of the engine thread. ``observer(outputs, arrival_times, now)`` runs on that thread;
+    ``on_death(exc)`` runs on the event loop once the engine loop died."""
 
     def __init__(
         self,
         engine: LLMEngine,
         observer: StepObserver | None = None,
         max_waiting: int | None = None,
+        on_death: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
@@ -137,7 +126,7 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.tokenizer
         self.observer = observer
-        self.on_death: Callable[[BaseException], None] | None = None
+        self.on_death = on_death
         self.dead: BaseException | None = None
         self._cond = threading.Condition()
         self._adds: list[
@@ -151,7 +140,7 @@ class AsyncEngine:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._snapshot = self._take_snapshot()
+        self._snapshot = engine.stats()
 
     # ---- event-loop side ---------------------------------------------------------------------
 
@@ -217,7 +206,7 @@ class AsyncEngine:
             self._fail_all = error
             self._cond.notify()
 
-    def snapshot(self) -> EngineSnapshot:
+    def snapshot(self) -> EngineStats:
         with self._cond:
             return self._snapshot
 
@@ -264,7 +253,7 @@ class AsyncEngine:
         self._loop.call_soon_threadsafe(_settle, stream.accepted, None)
 
     def _count_waiting(self) -> None:
-        num_waiting = len(self.engine.scheduler.waiting)
+        num_waiting = self.engine.stats().num_waiting
         with self._cond:
             self._num_waiting = num_waiting
 
@@ -289,23 +278,11 @@ class AsyncEngine:
                 self._streams.pop(output.request_id, None)
                 self._arrivals.pop(output.request_id, None)
             deliveries.append((stream, output))
-        snapshot = self._take_snapshot()
+        snapshot = self.engine.stats()
         with self._cond:
             self._snapshot = snapshot
         if deliveries:
             self._loop.call_soon_threadsafe(_deliver, deliveries)
-
-    def _take_snapshot(self) -> EngineSnapshot:
-        engine = self.engine
-        return EngineSnapshot(
-            cache=dict(engine.cache_stats()),
-            prompt_tokens=engine.counters.prompt_tokens,
-            generation_tokens=engine.counters.generation_tokens,
-            num_running=len(engine.scheduler.running),
-            num_waiting=len(engine.scheduler.waiting),
-            num_preemptions=engine.scheduler.num_preemptions,
-            num_steps=engine.counters.num_steps,
-        )
 
     def _die(self, exc: BaseException) -> None:
         self.dead = exc

@@ -26,7 +26,7 @@ def stats(engine: AsyncEngine, metrics: ServerMetrics) -> dict:
     return {
         "time": time.time(),
         "model": metrics.model_name,
-        **snap.cache,
+        **snap.kv_cache,
         "num_requests_running": snap.num_running,
         "num_requests_waiting": snap.num_waiting,
         "num_preemptions": snap.num_preemptions,

@@ -1,8 +1,8 @@
 """Prometheus metrics of one server (one registry per app; nothing module-global).
 
-Engine totals (prefix-cache tokens, blocks, evictions, copies, queue sizes, token counts) are read
-at scrape time from the engine thread's latest snapshot by a custom collector, so they equal the
-engine's own figures exactly. Latency histograms and per-finish-reason successes are observed on
+Engine totals (prefix-cache tokens, blocks, evictions, copies, queue sizes, token counts) are
+rendered at scrape time from the engine thread's latest ``EngineStats`` by a custom collector, so
+they equal the engine's own figures exactly. Latency histograms and per-finish-reason successes are observed on
 the engine thread as outputs come out of ``step()``.
 """
 
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
-from prefixserve.api.async_engine import EngineSnapshot
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from prefixserve.engine import EngineStats
 from prefixserve.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
@@ -25,13 +25,13 @@ RECENT_TTFT = 64
 
 
 class _EngineCollector(Collector):
-    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot]) -> None:
+    def __init__(self, model_name: str, stats: EngineStats) -> None:
         self.model_name = model_name
-        self.snapshot = snapshot
+        self.stats = stats
 
     def collect(self) -> Iterator[Metric]:
-        s = self.snapshot()
-        cache, label = s.cache, [self.model_name]
+        s = self.stats
+        cache, label = s.kv_cache, [self.model_name]
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             family = CounterMetricFamily(name, doc, labels=["model_name"])
@@ -85,10 +85,9 @@ class _EngineCollector(Collector):
 class ServerMetrics:
     """Per-app metrics. ``observe_step`` runs on the engine thread; the rest on the event loop."""
 
-    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot]) -> None:
+    def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(model_name, snapshot))
         self.success = Counter(
             "prefixserve_request_success",
             "Finished requests by finish reason.",
@@ -160,5 +159,8 @@ class ServerMetrics:
                     sample_count = sample.value
         return sample_sum, sample_count
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, stats: EngineStats) -> bytes:
+        """The exposition text: the engine's figures from ``stats``, then this server's own."""
+        engine = CollectorRegistry()
+        engine.register(_EngineCollector(self.model_name, stats))
+        return generate_latest(engine) + generate_latest(self.registry)

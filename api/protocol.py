@@ -14,9 +14,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from prefixserve.sampling_params import MAX_LOGPROBS
+
 MAX_N = 16
 """Most choices (``n``, or beams) one request may ask for."""
-MAX_LOGPROBS = 20
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
 

@@ -47,6 +47,7 @@ from prefixserve.api.serving_completion import CompletionServing
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import prefixserve
+from prefixserve.engine import LLMEngine
 from prefixserve.errors import CacheCapacityError, InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -205,16 +206,27 @@ def _validation_param(exc: RequestValidationError) -> str | None:
     return None
 
 
-def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
-    """One app per engine; its metrics registry and handlers hold no module-level state."""
-    metrics = ServerMetrics(config.served_model_names[0], engine.snapshot)
-    engine.observer = metrics.observe_step
-    engine.max_waiting = config.max_waiting_requests
+def create_app(
+    llm_engine: LLMEngine,
+    config: ServerConfig,
+    on_engine_death: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    """One app per engine, built with everything it serves: the engine thread
+    (``app.state.engine``), its metrics and the handlers; no module-level state.
+    ``served_model_names`` default to the model's own name."""
+    names = config.served_model_names or [llm_engine.model_name]
+    metrics = ServerMetrics(names[0])
+    engine = AsyncEngine(
+        llm_engine,
+        observer=metrics.observe_step,
+        max_waiting=config.max_waiting_requests,
+        on_death=on_engine_death,
+    )
     options = dict(
         request_timeout=config.request_timeout, require_cache_salt=config.require_cache_salt
     )
-    chat = ChatServing(engine, config.served_model_names, config.tool_call_parser, **options)
-    completion = CompletionServing(engine, config.served_model_names, **options)
+    chat = ChatServing(engine, names, config.tool_call_parser, **options)
+    completion = CompletionServing(engine, names, **options)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -284,7 +296,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         return ModelList(
             data=[
                 ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len)
-                for name in config.served_model_names
+                for name in names
             ]
         )
 
@@ -323,7 +335,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(
+            metrics.render(engine.snapshot()), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
     app.include_router(dashboard_router(engine, metrics))
     app.add_middleware(Gate, max_body_bytes=config.max_request_body_bytes)
@@ -381,15 +395,17 @@ def run_server(
     import uvicorn
 
     from prefixserve.config import EngineConfig
-    from prefixserve.engine import LLMEngine
 
     llm_engine = LLMEngine(EngineConfig(**engine_kwargs))
     if engine_hook is not None:
         engine_hook(llm_engine)
-    if not config.served_model_names:
-        config.served_model_names = [llm_engine.model_name]
-    engine = AsyncEngine(llm_engine)
-    app = create_app(engine, config)
+
+    def on_death(exc: BaseException) -> None:
+        logger.error("stopping the server: the engine loop died (%r)", exc)
+        server.should_exit = True
+
+    app = create_app(llm_engine, config, on_engine_death=on_death)
+    engine = app.state.engine
 
     class DrainingServer(uvicorn.Server):
         """The first SIGTERM/SIGINT starts a drain and exits after it; a second SIGINT forces."""
@@ -419,11 +435,6 @@ def run_server(
         uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     )
 
-    def on_death(exc: BaseException) -> None:
-        logger.error("stopping the server: the engine loop died (%r)", exc)
-        server.should_exit = True
-
-    engine.on_death = on_death
-    logger.info("serving %s on http://%s:%d", config.served_model_names[0], host, port)
+    logger.info("serving %s on http://%s:%d", llm_engine.model_name, host, port)
     server.run()
     return 1 if engine.dead is not None else 0

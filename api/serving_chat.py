@@ -9,12 +9,10 @@ the non-streamed message for the same output (content up to surrounding whitespa
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 
 from fastapi import Request
-from prefixserve.api.async_engine import AsyncEngine, RequestStream
+from prefixserve.api.async_engine import AsyncEngine
 from prefixserve.api.protocol import (
     APIError,
     ChatChoice,
@@ -23,12 +21,16 @@ from prefixserve.api.protocol import (
     ChatMessage,
     random_id,
 )
-from prefixserve.api.serving_completion import BaseServing, merge, sse, usage_of
+from prefixserve.api.serving_base import (
+    BaseServing,
+    ChoiceDelta,
+    DeltaTracker,
+    chunk_event,
+    usage_of,
+)
 from prefixserve.api.tool_parsers import HermesStreamParser, parse_tool_calls
 
 from prefixserve.outputs import CompletionOutput, RequestOutput
-
-logger = logging.getLogger(__name__)
 
 
 def render_chat(
@@ -84,13 +86,11 @@ class ChatServing(BaseServing):
             render_chat, self.engine.tokenizer, req.messages, tools, req.add_generation_prompt
         )
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.make_params(
-            req, req.max_completion_tokens or req.max_tokens, logprobs, len(prompt)
-        )
+        params = self.make_params(req, req.max_completion_tokens or req.max_tokens, logprobs)
         if parse and hasattr(params, "skip_special_tokens"):
             params.skip_special_tokens = False
         request_id = random_id("chatcmpl-")
-        streams = await self.add_all(request_id, [prompt], [params])
+        streams = await self.add_all(request_id, [prompt], [params], "messages")
         if req.stream:
             return self._stream(req, request_id, model, streams, parse)
         final = (await self.collect(raw_request, streams))[0]
@@ -133,77 +133,49 @@ class ChatServing(BaseServing):
             )
         return {"content": content}
 
-    async def _stream(
-        self, req, request_id: str, model: str, streams: list[RequestStream], parse: bool
-    ) -> AsyncIterator[str]:
+    def _stream(self, req, request_id: str, model: str, streams, parse: bool):
         base = {"id": request_id, "object": "chat.completion.chunk", "model": model}
+        tracker = DeltaTracker()
+        parsers = {i: HermesStreamParser() for i in range(req.n)}
 
         def chunk(index: int, delta: dict, logprobs=None, finish_reason=None, **extra) -> str:
-            choice = {
-                "index": index,
-                "delta": delta,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-                **extra,
-            }
-            return sse({**base, "created": int(time.time()), "choices": [choice]})
+            choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                      "finish_reason": finish_reason, **extra}  # fmt: skip
+            return chunk_event(base, [choice])
 
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
-        parsers = {i: HermesStreamParser() for i in range(req.n)}
-        final: RequestOutput | None = None
-        try:
-            for i in range(req.n):
-                yield chunk(i, {"role": "assistant", "content": ""})
-            async for _, out in merge(streams):
-                if out.finished:
-                    final = out
-                elif req.use_beam_search:
+        def message_delta(d: ChoiceDelta) -> dict:
+            if not parse:
+                return {"content": d.text} if d.text else {}
+            parser = parsers[d.index]
+            content, calls = parser.feed(d.text, final=d.finish_reason is not None)
+            delta: dict = {"content": content} if content else {}
+            if calls:
+                first = len(parser.calls) - len(calls)
+                delta["tool_calls"] = [
+                    {"index": first + k, **call.model_dump()} for k, call in enumerate(calls)
+                ]
+            return delta
+
+        def events(_: int, out: RequestOutput) -> Iterator[str]:
+            if req.use_beam_search and not out.finished:
+                return
+            for c in out.outputs:
+                d = tracker.delta(c.index, c, self._visible_text(c, parse))
+                if d is None:
                     continue
-                for c in out.outputs:
-                    if sent_text.get(c.index) == -1:
-                        continue
-                    text = self._visible_text(c, parse)
-                    start, tstart = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
-                    new_text, new_ids = text[start:], c.token_ids[tstart:]
-                    if not new_text and not new_ids and c.finish_reason is None:
-                        continue
-                    delta: dict = {}
-                    if parse:
-                        content, calls = parsers[c.index].feed(
-                            new_text, final=c.finish_reason is not None
-                        )
-                        if content:
-                            delta["content"] = content
-                        if calls:
-                            first = len(parsers[c.index].calls) - len(calls)
-                            delta["tool_calls"] = [
-                                {"index": first + k, **call.model_dump()}
-                                for k, call in enumerate(calls)
-                            ]
-                    elif new_text:
-                        delta["content"] = new_text
-                    lps = (
-                        self._logprobs(req, c.logprobs[tstart:], new_ids)
-                        if c.logprobs is not None and new_ids
-                        else None
-                    )
-                    reason = c.finish_reason
-                    if reason is not None and parsers[c.index].calls:
-                        reason = "tool_calls"
-                    sent_text[c.index] = -1 if reason else len(text)
-                    sent_tokens[c.index] = len(c.token_ids)
-                    if delta or lps or reason:
-                        extra = {"stop_reason": c.stop_reason} if reason else {}
-                        yield chunk(c.index, delta, lps, reason, **extra)
-            if req.stream_options and req.stream_options.include_usage and final is not None:
-                usage = usage_of([final]).model_dump()
-                yield sse({**base, "created": int(time.time()), "choices": [], "usage": usage})
-        except APIError as exc:
-            yield sse(exc.body())
-        except Exception as exc:
-            logger.exception("chat stream failed")
-            yield sse(APIError(str(exc), 500).body())
-        finally:
-            self.abort_all(streams)
-        yield sse("[DONE]")
+                delta = message_delta(d)
+                lps = (
+                    self._logprobs(req, d.logprobs, d.token_ids)
+                    if d.logprobs is not None and d.token_ids
+                    else None
+                )
+                reason = d.finish_reason
+                if reason is not None and parsers[d.index].calls:
+                    reason = "tool_calls"
+                if delta or lps or reason:
+                    extra = {"stop_reason": d.stop_reason} if reason else {}
+                    yield chunk(d.index, delta, lps, reason, **extra)
+
+        roles = [chunk(i, {"role": "assistant", "content": ""}) for i in range(req.n)]
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return self.stream(streams, base, events, include_usage, first_events=roles)

@@ -34,8 +34,7 @@ def median_ns(fn: Callable[[int], None], runs: int) -> float:
 def prompt_cycle(mgr: KVCacheManager, tokens: list[int], hashes: list[int]) -> None:
     """What one prompt costs the cache: lookup, allocate, register its blocks, free."""
     hit = mgr.lookup(tokens, hashes)
-    copies = mgr.allocate_slots("s", hit.num_tokens, len(tokens) - hit.num_tokens, hit)
-    assert copies is not None
+    assert mgr.allocate_for_prompt("s", hit, len(tokens) - hit.num_tokens)
     mgr.cache_full_blocks("s", tokens, hashes, len(tokens))
     mgr.free("s")
 
@@ -72,7 +71,7 @@ def bench_shared_prefix(block_size: int, runs: int, num_seqs: int, prefix: int, 
     def run(_: int) -> None:
         for i, (tokens, hashes) in enumerate(seqs):
             hit = mgr.lookup(tokens, hashes)
-            assert mgr.allocate_slots(i, hit.num_tokens, len(tokens) - hit.num_tokens, hit) == []
+            assert mgr.allocate_for_prompt(i, hit, len(tokens) - hit.num_tokens)
             mgr.cache_full_blocks(i, tokens, hashes, len(tokens))
         for i in range(num_seqs):
             mgr.free(i)

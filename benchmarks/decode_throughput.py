@@ -25,16 +25,15 @@ def measure(llm: LLM, num_seqs: int, max_tokens: int) -> float:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(num_seqs):
         engine.add_request(f"decode-{time.monotonic_ns()}-{i}", list(range(i, i + 32)), params)
-    while any(s.num_output_tokens == 0 for r in engine.scheduler.running for s in r.seqs) or (
-        engine.scheduler.waiting
-    ):
-        engine.step()
-    start_tokens = engine.counters.generation_tokens
+    first = engine.stats().generation_tokens
+    while engine.stats().num_waiting or engine.stats().generation_tokens - first < num_seqs:
+        engine.step()  # until every sequence is decoding
+    start_tokens = engine.stats().generation_tokens
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
     elapsed = time.perf_counter() - start
-    return (engine.counters.generation_tokens - start_tokens) / elapsed
+    return (engine.stats().generation_tokens - start_tokens) / elapsed
 
 
 def main(argv: list[str] | None = None) -> dict:

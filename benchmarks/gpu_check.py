@@ -105,40 +105,24 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check_correctness(device: torch.device, dtypes: list[torch.dtype], rows: list[Row]) -> None:
-    from prefixserve.attention.backend import AttentionMetadata
+    from prefixserve.attention.metadata import SeqSpan, build_attention_metadata
     from prefixserve.attention.triton_backend import TritonAttentionBackend
 
     heads, kv_heads, head_dim, block_size = 16, 8, 128, 16
     scale = head_dim**-0.5
     ctx_lens = [1, 16, 100, 300]  # context 1, a whole block, ragged; decodes first
     q_lens = [1, 1, 37, 64]
-    num_decodes = 2
     for dtype in dtypes:
         kv, tables = paged_cache(
             len(ctx_lens), max(ctx_lens), kv_heads, head_dim, block_size, dtype, device
         )
         query = torch.randn(sum(q_lens), heads, head_dim, dtype=dtype, device=device)
-        slots, starts = [], [0]
-        for i, (n, q) in enumerate(zip(ctx_lens, q_lens)):
-            pos = torch.arange(n - q, n, device=device)
-            slots.append(tables[i][pos // block_size].long() * block_size + pos % block_size)
-            starts.append(starts[-1] + q)
-        slot_mapping = torch.cat(slots)
+        spans = [SeqSpan(t, n - q, q) for t, n, q in zip(tables.tolist(), ctx_lens, q_lens)]
+        _, md = build_attention_metadata(spans, block_size, device)
+        starts = md.query_start_loc_cpu
         flat = kv.view(2, -1, kv_heads, head_dim)
-        key, value = flat[0][slot_mapping].clone(), flat[1][slot_mapping].clone()
-        flat[:, slot_mapping] = 0  # the forward must store them before attending
-        md = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
-            block_tables=tables,
-            max_query_len=max(q_lens),
-            max_seq_len=max(ctx_lens),
-            num_decodes=num_decodes,
-            num_decode_tokens=num_decodes,
-            query_lens_cpu=q_lens,
-            seq_lens_cpu=ctx_lens,
-        )
+        key, value = flat[0][md.slot_mapping].clone(), flat[1][md.slot_mapping].clone()
+        flat[:, md.slot_mapping] = 0  # the forward must store them before attending
         out = TritonAttentionBackend().forward(query, key, value, kv, md, scale)
         ref = torch.cat(
             [

@@ -38,7 +38,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 from bench_model import RESULTS_DIR
-from report import write_json
+from report import save_figure, write_json
 
 TOKEN_RANGE = (10, 700)
 WORDS = [
@@ -243,11 +243,7 @@ def plot_load(summary: dict, title: str, path: Path) -> Path:
         ax.set_ylabel("fraction of requests" if key == "_ttft" else "fraction of gaps")
         ax.grid(alpha=0.3)
     fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict:

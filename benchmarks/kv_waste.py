@@ -79,26 +79,18 @@ class WasteRow:
 
 def observe(engine: LLMEngine) -> StepState:
     """Read the engine after a step; checks that the pool's used blocks are the tables' blocks."""
-    bs = engine.kv.block_size
-    held: dict[int, int] = {}
-    reserved_max_tokens = 0
-    num_live = 0
-    for request in engine.scheduler.running:
-        for seq in request.live_seqs():
-            num_live += 1
-            reserved_max_tokens += request.max_total_tokens
-            for i, block_id in enumerate(engine.kv.get_block_table(seq.seq_id)):
-                filled = min(bs, max(0, seq.num_computed_tokens - i * bs))
-                held[block_id] = max(held.get(block_id, 0), filled)
-    used = engine.kv.stats()["used_blocks"]
-    if used != len(held):
-        raise RuntimeError(f"pool reports {used} used blocks, live block tables hold {len(held)}")
+    usage = engine.kv_usage()
+    if usage.used_blocks != usage.table_blocks:
+        raise RuntimeError(
+            f"pool reports {usage.used_blocks} used blocks, live block tables hold "
+            f"{usage.table_blocks}"
+        )
     return StepState(
-        used_blocks=used,
-        paged_slots=used * bs,
-        tokens=sum(held.values()),
-        reserved_max_len=num_live * engine.max_model_len,
-        reserved_max_tokens=reserved_max_tokens,
+        used_blocks=usage.used_blocks,
+        paged_slots=usage.used_blocks * engine.config.block_size,
+        tokens=usage.filled_slots,
+        reserved_max_len=usage.num_live_seqs * engine.max_model_len,
+        reserved_max_tokens=usage.reserved_max_tokens,
     )
 
 
@@ -119,7 +111,7 @@ def run(block_size: int, requests: list[tuple[list[int], int]], seed: int) -> li
         state = observe(engine)
         if state.used_blocks:
             states.append(state)
-    if engine.scheduler.num_preemptions:
+    if engine.stats().num_preemptions:
         raise RuntimeError(f"block_size {block_size}: requests were preempted")
     return states
 

@@ -160,6 +160,11 @@ def plot_result(result: dict, title: str, path: Path) -> Path:
         if not ax.has_data():
             ax.axis("off")
     fig.suptitle(title, fontsize=9)
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay out, write (creating the folder) and close a matplotlib figure."""
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

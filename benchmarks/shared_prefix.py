@@ -26,7 +26,6 @@ prefix is cached against the same request shape uncached. Writes ``shared_prefix
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import random
 import statistics
@@ -106,9 +105,10 @@ def run_comparison(
 
     def prefixserve() -> tuple[list[BenchRequest], float]:
         engine.reset_prefix_cache()  # every round starts cold
-        before = dataclasses.replace(engine.step_times)
+        before = engine.stats().step_times
         done, wall = run_engine(engine, make_requests(), follow_up)
-        step_times.append({k: v - getattr(before, k) for k, v in vars(engine.step_times).items()})
+        after = engine.stats().step_times
+        step_times.append({k: v - getattr(before, k) for k, v in vars(after).items()})
         return done, wall
 
     systems: dict[str, Callable[[], tuple[list[BenchRequest], float]]] = {

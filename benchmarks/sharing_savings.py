@@ -81,14 +81,8 @@ class SettingResult:
 
 def block_counts(engine: LLMEngine) -> tuple[int, int]:
     """(used blocks as the pool reports them, blocks the live sequences would hold unshared)."""
-    used = engine.kv.stats()["used_blocks"]
-    bs = engine.kv.block_size
-    unshared = sum(
-        math.ceil(seq.num_computed_tokens / bs)
-        for request in engine.scheduler.running
-        for seq in request.live_seqs()
-    )
-    return used, unshared
+    usage = engine.kv_usage()
+    return usage.used_blocks, usage.unshared_blocks
 
 
 def make_params(
@@ -113,8 +107,8 @@ def run_setting(
     engine = llm.llm_engine
     if not llm.reset_prefix_cache():
         raise RuntimeError("blocks still in use before a setting starts")
-    cow_before = engine.kv.stats()["cow_copies"]
-    preempt_before = engine.scheduler.num_preemptions
+    cow_before = engine.stats().kv_cache["cow_copies"]
+    preempt_before = engine.stats().num_preemptions
     for i, (prompt, max_tokens) in enumerate(requests):
         engine.add_request(f"{dist}-{mode}-{width}-{i}", prompt,
                            make_params(mode, width, max_tokens, seed + i))  # fmt: skip
@@ -128,7 +122,7 @@ def run_setting(
             with_sharing.append(used)
             without_sharing.append(unshared)
     seconds = time.perf_counter() - start
-    if engine.scheduler.num_preemptions != preempt_before:
+    if engine.stats().num_preemptions != preempt_before:
         raise RuntimeError(f"{dist} {mode} {width}: requests were preempted; give more KV blocks")
     peak_with, peak_without = max(with_sharing), max(without_sharing)
     avg_with = sum(with_sharing) / len(with_sharing)
@@ -144,7 +138,7 @@ def run_setting(
         avg_with=avg_with,
         avg_without=avg_without,
         avg_saving_pct=100 * (1 - avg_with / avg_without),
-        cow_copies=engine.kv.stats()["cow_copies"] - cow_before,
+        cow_copies=engine.stats().kv_cache["cow_copies"] - cow_before,
         seconds=seconds,
     )
 

@@ -4,7 +4,7 @@
 
 Workload: B requests with distinct random prompts of ``--prompt-len`` tokens, greedy, EOS ignored,
 long enough outputs that all B stay decoding. The engine steps until every request has its first
-token (all decoding), then ``LLMEngine.step_times`` is read before and after a window of
+token (all decoding), then ``LLMEngine.stats().step_times`` is read before and after a window of
 ``--steps`` decode-only steps (B tokens each). The step's wall time is also taken around each
 ``step()`` call, so time that no phase accounts for shows up as ``unaccounted``.
 Machine: this CPU, float32, ``--threads`` torch threads. Baseline: the target that at most 15% of
@@ -17,7 +17,6 @@ Prints per batch size the ms per step of each phase and the % outside the forwar
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import random
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from bench_model import (
     make_engine,
     set_threads,
 )
-from report import write_json
+from report import save_figure, write_json
 from shared_prefix import random_tokens
 
 PHASES = ("schedule", "prepare", "forward", "sample", "output")
@@ -54,7 +53,7 @@ def profile(folder: Path, batch: int, steps: int, prompt_len: int, seed: int) ->
             if out.outputs[0].token_ids:
                 started.add(out.request_id)
     engine.step()  # one more decode step so every sequence is past its prefill bookkeeping
-    before = dataclasses.replace(engine.step_times)
+    before = engine.stats().step_times
     wall = 0.0
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -62,7 +61,7 @@ def profile(folder: Path, batch: int, steps: int, prompt_len: int, seed: int) ->
         wall += time.perf_counter() - t0
         if len(outputs) != batch or any(o.finished for o in outputs):
             raise RuntimeError("the window must hold decode steps of the whole batch")
-    after = engine.step_times
+    after = engine.stats().step_times
     per_step = {p: (getattr(after, p) - getattr(before, p)) / steps for p in PHASES}
     step_s = wall / steps
     per_step["unaccounted"] = step_s - sum(per_step.values())
@@ -99,11 +98,7 @@ def plot(rows: list[dict], title: str, path: Path) -> Path:
     ax.set_ylabel("ms per step")
     ax.set_title(title, fontsize=8)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -64,7 +64,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
-        model=args.model,
+        model=_model(args),
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
@@ -78,6 +78,15 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         attention_backend=args.attention_backend,
         seed=args.seed,
     )
+
+
+def _model(args: argparse.Namespace) -> str | None:
+    """``serve MODEL`` as ``vllm serve`` takes it, or ``--model`` (not both, unless equal)."""
+    positional = getattr(args, "model_tag", None)
+    if positional is not None and args.model is not None and positional != args.model:
+        raise SystemExit(f"prefixserve: give the model once, not {positional!r} and --model "
+                         f"{args.model!r}")  # fmt: skip
+    return positional if positional is not None else args.model
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -191,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(demo)
     demo.add_argument("--max-tokens", type=int, default=16)
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model"
+    )
     _add_engine_args(serve)
     _add_serve_args(serve)
     return parser

@@ -4,17 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.errors import require
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _BACKENDS = ("auto", "torch", "triton")
 _POLICIES = ("fcfs", "prefix")
 DEFAULT_CPU_KV_CACHE_GB = 1.0
-
-
-def _require(cond: bool, param: str, message: str) -> None:
-    if not cond:
-        raise InvalidArgumentError(f"{param}: {message}", param=param)
 
 
 @dataclass
@@ -47,50 +42,50 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         bs = self.block_size
-        _require(
+        require(
             isinstance(bs, int) and bs >= 1 and bs & (bs - 1) == 0,
             "block_size",
             f"must be a power of two, got {bs!r}",
         )
-        _require(
+        require(
             self.max_model_len is None
             or (isinstance(self.max_model_len, int) and self.max_model_len >= 1),
             "max_model_len",
             f"must be a positive integer or None, got {self.max_model_len!r}",
         )
-        _require(
+        require(
             self.num_kv_blocks is None
             or (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 2),
             "num_kv_blocks",
             f"must be an integer >= 2 or None, got {self.num_kv_blocks!r}",
         )
-        _require(
+        require(
             self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0,
             "kv_cache_memory_gb",
             f"must be > 0, got {self.kv_cache_memory_gb!r}",
         )
-        _require(
+        require(
             isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
             "max_num_seqs",
             f"must be an integer >= 1, got {self.max_num_seqs!r}",
         )
-        _require(
+        require(
             isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
             "max_num_batched_tokens",
             f"must be an integer >= 1, got {self.max_num_batched_tokens!r}",
         )
-        _require(
+        require(
             self.scheduling_policy in _POLICIES,
             "scheduling_policy",
             f"must be one of {_POLICIES}, got {self.scheduling_policy!r}",
         )
-        _require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
-        _require(
+        require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
+        require(
             self.attention_backend in _BACKENDS,
             "attention_backend",
             f"must be one of {_BACKENDS}, got {self.attention_backend!r}",
         )
-        _require(
+        require(
             isinstance(self.device, str)
             and (self.device in ("auto", "cpu") or self.device.startswith("cuda")),
             "device",

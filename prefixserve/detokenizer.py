@@ -18,6 +18,7 @@ feeding the text one character at a time.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 # Prompt tokens decoded before the first generated token, so that its leading space (which
@@ -57,6 +58,14 @@ class IncrementalDetokenizer:
         self._released: list[str] = []
         self._unread: list[str] = []
         self._finished = False
+
+    def fork(self) -> IncrementalDetokenizer:
+        """An independent copy at the same state (a forked sequence continues from here)."""
+        child = copy.copy(self)
+        child._token_ids = list(self._token_ids)
+        child._released = list(self._released)
+        child._unread = list(self._unread)
+        return child
 
     @property
     def output_text(self) -> str:

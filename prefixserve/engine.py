@@ -1,52 +1,44 @@
 """LLMEngine: add requests, step the batch, stream ``RequestOutput`` s. The server drives this loop.
 
-One ``step()``::
+One ``step()`` is a straight line; every stage hands the next one a value::
 
-    Scheduler.schedule()  -> which sequences run, how many tokens each, block copies; blocks
-                             that this step fills are registered in the prefix cache already
-    ModelRunner.execute() -> copies, one forward over the flattened batch, logits of samplers
-    Scheduler.update_computed() -> num_computed_tokens advance
-    fork n>1 groups whose prompt just finished
-    OutputProcessor.process() -> sample, append, detokenize, check stops, free finished sequences
-    BeamSearchStepper.step()  -> the same for beam-search groups
-    finish requests whose sequences all finished; a request whose processing failed ends alone
+    Scheduler.schedule()             -> SchedulerOutput: sequences, token counts, block tables,
+                                        copy-on-write copies (blocks this step fills are already
+                                        registered in the prefix cache)
+    ModelRunner.execute()            -> ModelRunnerOutput: the logits of the sequences that sample
+    SamplingStep.sample()            -> SamplingResult: tokens (+ logprobs), beam steps, failures
+    Scheduler.update_from_output()   -> the requests it touched: tokens appended, blocks hashed,
+                                        forks, stops, frees, finished requests
+    OutputProcessor.make_output()    -> one RequestOutput per touched request
+
+Validation happens in ``add_request``: a request the engine accepts can fail later only alone
+(``RequestOutput.error``), never the loop.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from prefixserve.beam_search import BeamSearchStepper
 from prefixserve.config import EngineConfig
 from prefixserve.detokenizer import IncrementalDetokenizer
-from prefixserve.errors import CacheCapacityError, InvalidArgumentError, PromptTooLongError
+from prefixserve.errors import InvalidArgumentError, PromptTooLongError
 from prefixserve.kv.kv_cache_manager import KVCacheManager
 from prefixserve.model_runner import ModelRunner
 from prefixserve.models.loader import load_tokenizer
-from prefixserve.output_processor import OutputProcessor, describe_error
-from prefixserve.outputs import CompletionOutput, RequestOutput
+from prefixserve.output_processor import OutputProcessor
+from prefixserve.outputs import RequestOutput
 from prefixserve.sampler import Sampler
 from prefixserve.sampling_params import BeamSearchParams, SamplingParams
-from prefixserve.scheduler import ScheduledSeq, Scheduler
+from prefixserve.sampling_step import SamplingStep
+from prefixserve.scheduler import KVUsage, Scheduler
 from prefixserve.sequence import Request, Sequence
+from prefixserve.stop_checker import StopChecker
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineCounters:
-    """Monotonic counters the metrics layer exports."""
-
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    computed_prompt_tokens: int = 0
-    num_steps: int = 0
 
 
 @dataclass
@@ -55,6 +47,7 @@ class StepTimes:
 
     ``prepare`` and ``forward`` are measured inside the model runner; on CUDA, ``forward`` ends when
     the sampler first reads its results back, so part of it may show up under ``sample``.
+    ``sample`` covers sampling and the scheduler's update; ``output`` building the outputs.
     """
 
     schedule: float = 0.0
@@ -62,6 +55,22 @@ class StepTimes:
     forward: float = 0.0
     sample: float = 0.0
     output: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """One consistent snapshot of the engine: what the server, the dashboard and the benchmarks
+    read. Counters are monotonic; ``kv_cache`` is ``KVCacheManager.stats()``."""
+
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prompt_tokens: int
+    computed_prompt_tokens: int
+    generation_tokens: int
+    num_steps: int
+    kv_cache: dict[str, int | float]
+    step_times: StepTimes
 
 
 class LLMEngine:
@@ -72,23 +81,20 @@ class LLMEngine:
         self.model_name = config.served_model_name or self.runner.model_name
         self.tokenizer = load_tokenizer(config.tokenizer or config.model, revision=config.revision)
         self.max_model_len = self._resolve_max_model_len()
-        self.kv = KVCacheManager(
-            self.runner.num_blocks,
-            config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
-        )
-        self.scheduler = Scheduler(config, self.kv)
-        self.sampler = Sampler()
-        self.beam_stepper = BeamSearchStepper(self)
-        self.output_processor = OutputProcessor(self)
-        self.requests: dict[str, Request] = {}
-        self.counters = EngineCounters()
-        self.step_times = StepTimes()
-        self._seq_ids = itertools.count()
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        kv_cache_manager = KVCacheManager(
+            self.runner.num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(config, kv_cache_manager, StopChecker(self.eos_token_ids))
+        self.sampling_step = SamplingStep(Sampler(), self.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.step_times = StepTimes()
+        self.num_steps = 0
         torch.manual_seed(config.seed)
 
     def _resolve_max_model_len(self) -> int:
@@ -112,13 +118,12 @@ class LLMEngine:
         params: SamplingParams | BeamSearchParams,
     ) -> Request:
         """Validate and queue a request. Raises a typed error (and queues nothing) on bad input."""
-        if request_id in self.requests:
-            raise InvalidArgumentError(f"request_id {request_id!r} is already in use", "request_id")
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids, params)
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
-        max_total = min(len(token_ids) + max_tokens, self.max_model_len)
-        self._check_fits(len(token_ids), max_total, params)
+        max_total = self._check_context(len(token_ids), params.max_tokens)
+        width = params.beam_width if isinstance(params, BeamSearchParams) else params.n
+        self._check_width(width)
+        self.scheduler.check_fits(len(token_ids), max_total, width)
         salt = params.cache_salt
         request = Request(
             request_id=request_id,
@@ -127,11 +132,10 @@ class LLMEngine:
             params=params,
             extra_keys=(salt,) if salt is not None else (),
             max_total_tokens=max_total,
+            seqs=[self._prompt_sequence(token_ids, params)],
+            generators=self._generators(params),
         )
-        request.seqs.append(self.new_sequence(request, 0, list(token_ids)))
-        self.requests[request_id] = request
         self.scheduler.add_request(request)
-        self.counters.prompt_tokens += len(token_ids)
         return request
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -154,12 +158,6 @@ class LLMEngine:
             raise InvalidArgumentError(
                 f"prompt: token id {bad} is outside the vocabulary [0, {vocab})", "prompt"
             )
-        if len(token_ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"This model's maximum context length is {self.max_model_len} tokens, and the "
-                f"prompt has {len(token_ids)} tokens; shorten the prompt",
-                "prompt",
-            )
         if (
             not self.config.enable_chunked_prefill
             and len(token_ids) > self.config.max_num_batched_tokens
@@ -169,14 +167,34 @@ class LLMEngine:
                 f"{self.config.max_num_batched_tokens} with chunked prefill disabled",
                 "prompt",
             )
-        bad_stop = [t for t in getattr(params, "stop_token_ids", []) if not 0 <= t < vocab]
+        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad_stop:
             raise InvalidArgumentError(
                 f"stop_token_ids: {bad_stop} outside the vocabulary [0, {vocab})", "stop_token_ids"
             )
 
-    def _check_fits(self, num_prompt: int, max_total: int, params) -> None:
-        width = params.beam_width if isinstance(params, BeamSearchParams) else params.n
+    def _check_context(self, num_prompt: int, max_tokens: int | None) -> int:
+        """The request's length limit (prompt + output); raises ``PromptTooLongError`` (OpenAI's
+        message) when the prompt, or the prompt plus ``max_tokens``, exceeds the context."""
+        limit = self.max_model_len
+        if num_prompt >= limit:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {limit} tokens. However, your request "
+                f"has {num_prompt} input tokens. Please reduce the length of the input.",
+                "prompt",
+            )
+        if max_tokens is None:
+            return limit
+        if num_prompt + max_tokens > limit:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the input, {max_tokens} in "
+                "the completion). Please reduce the length of the input or completion.",
+                "max_tokens",
+            )
+        return num_prompt + max_tokens
+
+    def _check_width(self, width: int) -> None:
         if width > min(self.config.max_num_seqs, self.config.max_num_batched_tokens):
             raise InvalidArgumentError(
                 f"n / beam_width: {width} sequences cannot run together with max_num_seqs="
@@ -184,162 +202,91 @@ class LLMEngine:
                 f"{self.config.max_num_batched_tokens}",
                 "n",
             )
-        bs = self.config.block_size
-        shared = num_prompt // bs
-        needed = shared + width * (math.ceil(max_total / bs) - shared)
-        if needed > self.kv.num_blocks - self.kv.watermark_blocks:
-            raise CacheCapacityError(
-                f"this request needs up to {needed} KV blocks ({width} sequences of up to "
-                f"{max_total} tokens) but the cache has {self.kv.num_blocks}; lower max_tokens or "
-                "n, or give the engine more KV blocks"
-            )
 
-    def new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
-        params = request.params
-        seq = Sequence(
-            seq_id=next(self._seq_ids),
-            index=index,
-            token_ids=token_ids,
-            num_prompt_tokens=len(request.prompt_token_ids),
-        )
+    def _prompt_sequence(
+        self, token_ids: list[int], params: SamplingParams | BeamSearchParams
+    ) -> Sequence:
+        seq = Sequence(index=0, token_ids=list(token_ids), num_prompt_tokens=len(token_ids))
         if isinstance(params, SamplingParams):
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
-                request.prompt_token_ids,
+                token_ids,
                 stop=params.stop,
                 skip_special_tokens=params.skip_special_tokens,
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )
-            if params.seed is not None:
-                seq.generator = torch.Generator(self.runner.device)
-                seq.generator.manual_seed(_derive_seed(params.seed, index))
             if params.logprobs is not None:
                 seq.logprobs = []
         return seq
 
+    def _generators(self, params: SamplingParams | BeamSearchParams) -> list | None:
+        """A seeded request's generators: sample ``j`` draws from its own stream."""
+        if not isinstance(params, SamplingParams) or params.seed is None:
+            return None
+        generators = []
+        for index in range(params.n):
+            generator = torch.Generator(self.runner.device)
+            generator.manual_seed(_derive_seed(params.seed, index))
+            generators.append(generator)
+        return generators
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output, None if unknown."""
-        request = self.requests.pop(request_id, None)
-        if request is None:
-            return None
-        for seq in request.live_seqs():
-            seq.finish_reason = "abort"
-        self.scheduler.finish_request(request)
-        return self._make_output(request)
+        request = self.scheduler.abort_request(request_id)
+        return self.output_processor.make_output(request) if request is not None else None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
 
     # ---- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         times = self.step_times
         t0 = time.perf_counter()
-        out = self.scheduler.schedule()
-        if out.is_empty:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
             return []
-        block_tables = {s.seq.seq_id: self.kv.get_block_table(s.seq.seq_id) for s in out.scheduled}
         t1 = time.perf_counter()
-        times.schedule += t1 - t0
-        samplers, logits = self.runner.execute(out, block_tables, times)
+        runner_output = self.runner.execute(scheduler_output)
         t2 = time.perf_counter()
-        self.counters.computed_prompt_tokens += self.scheduler.update_computed(out)
-        self.counters.num_steps += 1
-        touched: dict[str, Request] = {}
-        rows: list[tuple[Request, Sequence, int]] = []
-        beam_rows: dict[str, list[tuple[Sequence, int]]] = {}
-        for i, sched in enumerate(samplers):
-            request = sched.request
-            touched[request.request_id] = request
-            if request.is_beam_search:
-                beam_rows.setdefault(request.request_id, []).append((sched.seq, i))
-                continue
-            for seq in self._fork_if_first_sample(request, sched):
-                rows.append((request, seq, i))
-        now = time.monotonic()
-        for request in touched.values():
-            if request.first_token_time is None:
-                request.first_token_time = now
-        failed = self.output_processor.process(rows, logits)
-        for rid, group_rows in beam_rows.items():
-            try:
-                self.beam_stepper.step(touched[rid], group_rows, logits)
-            except Exception as exc:
-                failed[rid] = describe_error(exc, "beam search")
+        sampled = self.sampling_step.sample(runner_output.samplers, runner_output.logits)
+        touched = self.scheduler.update_from_output(scheduler_output, sampled)
         t3 = time.perf_counter()
+        outputs = [self.output_processor.make_output(request) for request in touched]
+        times.schedule += t1 - t0
+        times.prepare += runner_output.prepare_seconds
+        times.forward += runner_output.forward_seconds
         times.sample += t3 - t2
-        outputs = []
-        for request in touched.values():
-            if request.request_id in failed:
-                outputs.append(self._fail_request(request, failed[request.request_id]))
-                continue
-            if all(s.is_finished for s in request.seqs) and not request.is_finished:
-                self.scheduler.finish_request(request)
-                self.requests.pop(request.request_id, None)
-            outputs.append(self._make_output(request))
         times.output += time.perf_counter() - t3
+        self.num_steps += 1
         return outputs
 
-    def _fail_request(self, request: Request, message: str) -> RequestOutput:
-        """One request's processing failed: finish it with an error; the batch carries on."""
-        logger.error("request %s failed: %s", request.request_id, message)
-        for seq in request.live_seqs():
-            seq.finish_reason = "abort"
-        if not request.is_finished:
-            self.scheduler.finish_request(request)
-        self.requests.pop(request.request_id, None)
-        output = self._make_output(request)
-        output.error = message
-        return output
+    # ---- figures -------------------------------------------------------------------------------
 
-    def _fork_if_first_sample(self, request: Request, sched: ScheduledSeq) -> list[Sequence]:
-        """The prompt of an n>1 request is computed once; its n samples fork from it here."""
-        seq = sched.seq
-        if len(request.seqs) >= request.num_samples or seq.num_output_tokens > 0:
-            return [seq]
-        children = []
-        for index in range(1, request.num_samples):
-            child = self.new_sequence(request, index, list(seq.token_ids))
-            child.num_computed_tokens = seq.num_computed_tokens
-            child.block_hashes = list(seq.block_hashes)
-            self.scheduler.fork_seq(seq, child)
-            request.seqs.append(child)
-            children.append(child)
-        return [seq, *children]
-
-    def _make_output(self, request: Request) -> RequestOutput:
-        if request.is_beam_search:
-            outputs = self.beam_stepper.outputs(request)
-        else:
-            outputs = [
-                CompletionOutput(
-                    index=s.index,
-                    text=s.detokenizer.output_text,
-                    token_ids=s.output_token_ids,
-                    cumulative_logprob=s.cumulative_logprob,
-                    logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                    finish_reason=s.finish_reason,
-                    stop_reason=s.stop_reason,
-                )
-                for s in sorted(request.seqs, key=lambda s: s.index)
-            ]
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=outputs,
-            finished=request.is_finished,
-            num_cached_tokens=request.num_cached_tokens or 0,
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        return EngineStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_preemptions=s.num_preemptions,
+            prompt_tokens=s.prompt_tokens,
+            computed_prompt_tokens=s.computed_prompt_tokens,
+            generation_tokens=s.generation_tokens,
+            num_steps=self.num_steps,
+            kv_cache=s.kv_cache,
+            step_times=replace(self.step_times),
         )
 
+    def kv_usage(self) -> KVUsage:
+        """How the live sequences use the KV cache now (slower than ``stats``: for benchmarks)."""
+        return self.scheduler.kv_usage()
+
     def cache_stats(self) -> dict:
-        return self.kv.stats()
+        return self.scheduler.stats().kv_cache
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv.reset_prefix_cache()
+        """Forget every cached prefix; refused (False) while any block is in use."""
+        return self.scheduler.reset_prefix_cache()
 
 
 def _derive_seed(seed: int, index: int) -> int:

@@ -36,3 +36,9 @@ class CacheCapacityError(PrefixServeError):
 
 class BackendUnavailableError(PrefixServeError):
     """The requested attention backend cannot run on this machine."""
+
+
+def require(cond: bool, param: str, message: str) -> None:
+    """Raise ``InvalidArgumentError("param: message")`` unless ``cond``."""
+    if not cond:
+        raise InvalidArgumentError(f"{param}: {message}", param=param)

@@ -24,9 +24,6 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
 
 @dataclass
 class RequestOutput:

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.errors import require
 
-_MAX_LOGPROBS = 20
-
-
-def _check(cond: bool, param: str, message: str) -> None:
-    if not cond:
-        raise InvalidArgumentError(f"{param}: {message}", param=param)
+MAX_LOGPROBS = 20
+"""Most top logprobs one generated token may return (``logprobs``, ``top_logprobs``)."""
 
 
 @dataclass
@@ -53,69 +49,69 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        _check(
+        require(
             isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}"
         )
-        _check(
+        require(
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
             "max_tokens",
             f"must be an integer >= 1 or None, got {self.max_tokens!r}",
         )
-        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
-        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(
+        require(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        require(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        require(
             isinstance(self.top_k, int) and self.top_k >= 0,
             "top_k",
             f"must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}",
         )
-        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
-        _check(
+        require(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        require(
             self.seed is None or isinstance(self.seed, int),
             "seed",
             f"must be an integer, got {self.seed!r}",
         )
-        _check(
+        require(
             all(isinstance(s, str) and s for s in self.stop),
             "stop",
             "must be a non-empty string or a list of non-empty strings",
         )
-        _check(
+        require(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
             "must be a list of non-negative integers",
         )
-        _check(
+        require(
             self.logprobs is None
-            or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= _MAX_LOGPROBS),
+            or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
             "logprobs",
-            f"must be an integer in [0, {_MAX_LOGPROBS}] or None, got {self.logprobs!r}",
+            f"must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}",
         )
-        _check(
+        require(
             isinstance(self.min_tokens, int) and self.min_tokens >= 0,
             "min_tokens",
             f"must be an integer >= 0, got {self.min_tokens!r}",
         )
-        _check(
+        require(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             "min_tokens",
             f"must not exceed max_tokens={self.max_tokens}, got {self.min_tokens}",
         )
-        _check(
+        require(
             -2.0 <= self.presence_penalty <= 2.0,
             "presence_penalty",
             f"must be in [-2, 2], got {self.presence_penalty}",
         )
-        _check(
+        require(
             -2.0 <= self.frequency_penalty <= 2.0,
             "frequency_penalty",
             f"must be in [-2, 2], got {self.frequency_penalty}",
         )
-        _check(
+        require(
             self.repetition_penalty > 0.0,
             "repetition_penalty",
             f"must be > 0, got {self.repetition_penalty}",
         )
-        _check(
+        require(
             self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
             "cache_salt",
             "must be a non-empty string or None",
@@ -135,7 +131,7 @@ class BeamSearchParams:
     """
 
     beam_width: int = 4
-    max_tokens: int = 32
+    max_tokens: int | None = 32  # None: up to the model's context
     length_penalty: float = 1.0
     ignore_eos: bool = False
     temperature: float = 0.0
@@ -143,14 +139,14 @@ class BeamSearchParams:
     stop_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        _check(
+        require(
             isinstance(self.beam_width, int) and self.beam_width >= 1,
             "beam_width",
             f"must be an integer >= 1, got {self.beam_width!r}",
         )
-        _check(
-            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+        require(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
             "max_tokens",
-            f"must be an integer >= 1, got {self.max_tokens!r}",
+            f"must be an integer >= 1 or None, got {self.max_tokens!r}",
         )
-        _check(self.temperature == 0.0, "temperature", "beam search is deterministic; use 0")
+        require(self.temperature == 0.0, "temperature", "beam search is deterministic; use 0")

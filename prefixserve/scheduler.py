@@ -1,6 +1,6 @@
-"""Continuous batching: which sequences run this step, and how many tokens each.
+"""Continuous batching, and the one owner of every request and sequence once queued.
 
-Every step hands out a token budget (``max_num_batched_tokens``): running requests first, in
+``schedule()`` hands out a token budget (``max_num_batched_tokens``): running requests first, in
 priority order, one token per decoding sequence or a chunk of a prompt still being prefilled; then
 waiting requests are admitted while the budget, ``max_num_seqs`` and the KV cache allow. A waiting
 request starts from its longest cached prefix, so only the rest is computed.
@@ -8,22 +8,36 @@ request starts from its longest cached prefix, so only the rest is computed.
 When the KV cache runs out for a running request, the lowest-priority running request (the last
 one, never one already scheduled this step) is preempted: its blocks are freed (full ones stay
 cached) and it goes back to the front of the waiting queue, to be recomputed later, mostly from the
-prefix cache. A request is admitted or preempted as a whole group (``n`` samples, beams).
+prefix cache. No request is admitted in a step that preempted. A request is admitted or preempted
+as a whole group (``n`` samples, beams).
 
-The scheduler sees the KV cache only through ``KVCacheManager``; it never handles block ids.
+``update_from_output()`` applies a step's ``SamplingResult``: it advances ``num_computed_tokens``,
+forks (n > 1 first samples and beams, through one ``_fork``), appends tokens and hashes the blocks
+they fill, checks stops, and frees and finishes sequences and requests. Nothing else changes a
+``Request`` or ``Sequence`` after ``add_request``.
+
+The scheduler sees the KV cache only through ``KVCacheManager`` and passes block ids on to the
+model runner without looking inside them.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from prefixserve.beam_search import BeamStep
 from prefixserve.config import EngineConfig
+from prefixserve.errors import CacheCapacityError, InvalidArgumentError
 from prefixserve.kv.hashing import extend_block_hashes
 from prefixserve.kv.kv_cache_manager import KVCacheManager, PrefixHit
+from prefixserve.sampling_step import SampledToken, SamplingResult, describe_error
+from prefixserve.scheduler_output import ScheduledSeq, SchedulerOutput
 from prefixserve.sequence import Request, RequestStatus, Sequence
+from prefixserve.stop_checker import StopChecker
 
 logger = logging.getLogger(__name__)
 
@@ -33,88 +47,112 @@ AGING_TOKENS_PER_SECOND = 512.0
 PREFIX_POLICY_WINDOW = 64
 
 
-@dataclass(slots=True)
-class ScheduledSeq:
-    """``num_new_tokens`` tokens of ``seq`` run this step, starting at ``seq.num_computed_tokens``."""
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """Queue sizes (requests), monotonic token counters, and the KV cache's own figures."""
 
-    request: Request
-    seq: Sequence
-    num_new_tokens: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prompt_tokens: int  # received
+    computed_prompt_tokens: int  # run through the model (not served from the prefix cache)
+    generation_tokens: int
+    kv_cache: dict[str, int | float]
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the sequence's last token, so its next token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
+@dataclass(frozen=True, slots=True)
+class KVUsage:
+    """How the live sequences use the KV cache (benchmarks read it after a step).
 
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
+    ``table_blocks`` counts the distinct blocks in live block tables (it equals ``used_blocks``
+    when nothing leaks); ``filled_slots`` the slots holding a computed token, each shared block
+    once; ``unshared_blocks`` what the live sequences would hold without sharing.
+    """
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+    used_blocks: int
+    table_blocks: int
+    filled_slots: int
+    unshared_blocks: int
+    num_live_seqs: int
+    reserved_max_tokens: int  # sum of max_total_tokens over live sequences
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self, config: EngineConfig, kv_cache_manager: KVCacheManager, stop_checker: StopChecker
+    ) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.stop_checker = stop_checker
         self.block_size = kv_cache_manager.block_size
         self.enable_caching = config.enable_prefix_caching
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prompt_tokens = 0
+        self.computed_prompt_tokens = 0
+        self.generation_tokens = 0
+        self._seq_ids = itertools.count()
 
-    # ---- queue management -------------------------------------------------------------------
+    # ---- requests ----------------------------------------------------------------------------
+
+    def check_fits(self, num_prompt_tokens: int, max_total_tokens: int, width: int) -> None:
+        """Raise ``CacheCapacityError`` if ``width`` sequences of up to ``max_total_tokens``
+        tokens sharing a ``num_prompt_tokens``-token prompt could never fit in the cache."""
+        bs = self.block_size
+        shared = num_prompt_tokens // bs
+        needed = shared + width * (math.ceil(max_total_tokens / bs) - shared)
+        if needed > self.kv.num_blocks - self.kv.watermark_blocks:
+            raise CacheCapacityError(
+                f"this request needs up to {needed} KV blocks ({width} sequences of up to "
+                f"{max_total_tokens} tokens) but the cache has {self.kv.num_blocks}; lower "
+                "max_tokens or n, or give the engine more KV blocks"
+            )
 
     def add_request(self, request: Request) -> None:
+        """Queue a validated request whose ``seqs`` holds its one prompt sequence."""
+        if request.request_id in self.requests:
+            raise InvalidArgumentError(
+                f"request_id {request.request_id!r} is already in use", "request_id"
+            )
         for seq in request.seqs:
+            seq.seq_id = next(self._seq_ids)
             self._hash_new_blocks(request, seq)
+        self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.prompt_tokens += len(request.prompt_token_ids)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Finish a request now (its live sequences with "abort"); None if unknown."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish_request(request, "abort")
+        return request
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.requests)
 
     def num_running_seqs(self) -> int:
         return sum(len(r.live_seqs()) for r in self.running)
-
-    def finish_request(self, request: Request) -> None:
-        """Remove a request from the queues and free all its blocks (full ones stay cached)."""
-        for seq in request.seqs:
-            self.kv.free(seq.seq_id)
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif request.status is RequestStatus.WAITING:
-            self.waiting.remove(request)
-        request.status = RequestStatus.FINISHED
-
-    def free_seq(self, seq: Sequence) -> None:
-        """Free one finished sequence of a still-running group (a dropped beam, a done sample)."""
-        self.kv.free(seq.seq_id)
-
-    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
-        self.kv.fork(parent.seq_id, child.seq_id)
 
     # ---- the step -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             plan = self._plan_running(request, budget)
-            while not self._allocate(plan, out.block_copies):
+            while not self._append_slots(plan, out.block_copies):
                 victim = self.running.pop()
                 self._preempt(victim)
-                out.preempted.append(victim)
+                preempted = True
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
@@ -124,9 +162,10 @@ class Scheduler:
                     out.scheduled.append(ScheduledSeq(request, seq, n))
                     budget -= n
             i += 1
-
-        if not out.preempted:
+        if not preempted:
             self._admit_waiting(out, budget)
+        out.block_tables = {s.seq.seq_id: self.kv.get_block_table(s.seq.seq_id)
+                            for s in out.scheduled}  # fmt: skip
         return out
 
     def _plan_running(self, request: Request, budget: int) -> list[tuple[Sequence, int]]:
@@ -141,7 +180,9 @@ class Scheduler:
             plan = [(seq, min(n, seq.num_uncomputed_tokens - 1)) for seq, n in plan]
         return plan
 
-    def _allocate(self, plan: list[tuple[Sequence, int]], copies: list[tuple[int, int]]) -> bool:
+    def _append_slots(
+        self, plan: list[tuple[Sequence, int]], copies: list[tuple[int, int]]
+    ) -> bool:
         """Reserve slots for every sequence of a running request's plan; False if one does not fit.
 
         Copy-on-write copies are appended to ``copies`` as they are decided, even when a later
@@ -151,7 +192,7 @@ class Scheduler:
         for seq, n in plan:
             if n == 0:
                 continue
-            got = self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, n)
+            got = self.kv.append_slots(seq.seq_id, seq.num_computed_tokens, n)
             if got is None:
                 return False
             copies.extend(got)
@@ -196,7 +237,7 @@ class Scheduler:
             if (n <= 0 and not lockstep) or chunked_out:
                 self._roll_back(admitted)
                 return None
-            if self.kv.allocate_slots(seq.seq_id, hit.num_tokens, n, hit=hit) is None:
+            if not self.kv.allocate_for_prompt(seq.seq_id, hit, n):
                 self._roll_back(admitted)
                 return None
             seq.num_computed_tokens = hit.num_tokens
@@ -219,14 +260,14 @@ class Scheduler:
         return self.kv.lookup(seq.token_ids, hashes)
 
     def _reorder_waiting_by_prefix(self) -> None:
+        """Sort the head of the queue by cached prefix length plus aging (``prefix`` policy)."""
         now = time.monotonic()
         window = [
             self.waiting.popleft() for _ in range(min(PREFIX_POLICY_WINDOW, len(self.waiting)))
         ]
 
         def priority(request: Request) -> float:
-            seq = request.live_seqs()[0]
-            cached = self._lookup(seq).num_tokens
+            cached = self._lookup(request.live_seqs()[0]).num_tokens
             return cached + AGING_TOKENS_PER_SECOND * (now - request.arrival_time)
 
         window.sort(key=priority, reverse=True)
@@ -237,25 +278,9 @@ class Scheduler:
             self.kv.free(seq.seq_id)
             seq.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
-        request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         logger.debug("preempted request %s", request.request_id)
-
-    # ---- after the forward --------------------------------------------------------------------
-
-    def update_computed(self, out: SchedulerOutput) -> int:
-        """After the forward: advance ``num_computed_tokens`` of every scheduled sequence.
-
-        Returns how many prompt tokens (not generated ones) this step computed.
-        """
-        prompt_tokens = 0
-        for sched in out.scheduled:
-            seq = sched.seq
-            start = seq.num_computed_tokens
-            seq.num_computed_tokens += sched.num_new_tokens
-            prompt_tokens += max(0, min(seq.num_prompt_tokens, seq.num_computed_tokens) - start)
-        return prompt_tokens
 
     def _cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Register the sequence's blocks that are full once this step's tokens are written.
@@ -266,7 +291,92 @@ class Scheduler:
         if self.enable_caching:
             self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.block_hashes, num_tokens)
 
-    def append_token(self, request: Request, seq: Sequence, token_id: int) -> None:
+    # ---- after the forward --------------------------------------------------------------------
+
+    def update_from_output(self, out: SchedulerOutput, result: SamplingResult) -> list[Request]:
+        """Apply one step; returns the requests it touched (for their outputs), finished ones
+        included. A request whose processing raises is failed alone (``request.error``)."""
+        for sched in out.scheduled:
+            seq = sched.seq
+            start = seq.num_computed_tokens
+            seq.num_computed_tokens += sched.num_new_tokens
+            computed = min(seq.num_prompt_tokens, seq.num_computed_tokens) - start
+            self.computed_prompt_tokens += max(0, computed)
+        touched: dict[str, Request] = {}
+        for sched, tokens in result.tokens:
+            request = touched[sched.request.request_id] = sched.request
+            try:
+                self._append_samples(request, sched.seq, tokens)
+            except Exception as exc:
+                result.failed.append((request, describe_error(exc, "output processing")))
+        for request, step in result.beams:
+            touched[request.request_id] = request
+            self._apply_beam_step(request, step)
+        for request, message in result.failed:
+            touched[request.request_id] = request
+            if not request.is_finished:
+                logger.error("request %s failed: %s", request.request_id, message)
+                request.error = message
+                self._finish_request(request, "abort")
+        for request in touched.values():
+            if not request.is_finished and all(s.is_finished for s in request.seqs):
+                self._finish_request(request, None)
+        return list(touched.values())
+
+    def _append_samples(self, request: Request, seq: Sequence, tokens: list[SampledToken]) -> None:
+        """The sequence's sampled token; n tokens fork an n > 1 request's prompt sequence first."""
+        seqs = [seq] + [self._fork(request, seq) for _ in tokens[1:]]
+        for s, token in zip(seqs, tokens):
+            self._append_token(request, s, token.token_id)
+            self.generation_tokens += 1
+            s.cumulative_logprob += token.logprob
+            if s.logprobs is not None:
+                entry = {token.token_id: token.logprob}
+                for tid, lp in token.top_logprobs:
+                    entry.setdefault(tid, lp)
+                s.logprobs.append(entry)
+            reason = self.stop_checker.check(request, s, token.token_id)
+            if reason is not None:
+                s.finish_reason, s.stop_reason = reason
+                self.kv.free(s.seq_id)
+
+    def _apply_beam_step(self, request: Request, step: BeamStep) -> None:
+        """Fork beams chosen more than once, free those not chosen, append each beam's token."""
+        beams = request.live_seqs()
+        request.finished_beams = step.finished
+        if step.done:
+            for seq in beams:
+                seq.finish_reason = "length"
+                self.kv.free(seq.seq_id)
+            return
+        chosen: set[int] = set()
+        new_beams: list[tuple[Sequence, int, float]] = []
+        for parent, token, score in step.continuations:
+            if parent.seq_id in chosen:
+                new_beams.append((self._fork(request, parent), token, score))
+            else:
+                chosen.add(parent.seq_id)
+                new_beams.append((parent, token, score))
+        for seq in beams:
+            if seq.seq_id not in chosen:
+                seq.finish_reason = "abort"
+                self.kv.free(seq.seq_id)
+        request.seqs = []
+        for rank, (seq, token, score) in enumerate(new_beams):
+            seq.index = rank
+            seq.cumulative_logprob = score
+            self._append_token(request, seq, token)
+            request.seqs.append(seq)
+        self.generation_tokens += len(new_beams)
+
+    def _fork(self, request: Request, parent: Sequence) -> Sequence:
+        """A new sequence of ``request`` sharing every block and all state of ``parent``."""
+        child = parent.fork(next(self._seq_ids), index=len(request.seqs))
+        self.kv.fork(parent.seq_id, child.seq_id)
+        request.seqs.append(child)
+        return child
+
+    def _append_token(self, request: Request, seq: Sequence, token_id: int) -> None:
         seq.token_ids.append(token_id)
         self._hash_new_blocks(request, seq)
 
@@ -275,3 +385,51 @@ class Scheduler:
             extend_block_hashes(
                 seq.token_ids, self.block_size, request.extra_keys, seq.block_hashes
             )
+
+    def _finish_request(self, request: Request, reason: str | None) -> None:
+        """Finish live sequences with ``reason`` (if given), free every block (full ones stay
+        cached), leave the queues."""
+        for seq in request.seqs:
+            if reason is not None and not seq.is_finished:
+                seq.finish_reason = reason
+            self.kv.free(seq.seq_id)
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        del self.requests[request.request_id]
+
+    # ---- figures -------------------------------------------------------------------------------
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preemptions=self.num_preemptions,
+            prompt_tokens=self.prompt_tokens,
+            computed_prompt_tokens=self.computed_prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            kv_cache=self.kv.stats(),
+        )
+
+    def kv_usage(self) -> KVUsage:
+        bs = self.block_size
+        filled: dict[int, int] = {}
+        unshared = reserved = num_live = 0
+        for request in self.running:
+            for seq in request.live_seqs():
+                num_live += 1
+                reserved += request.max_total_tokens
+                unshared += math.ceil(seq.num_computed_tokens / bs)
+                for i, block_id in enumerate(self.kv.get_block_table(seq.seq_id)):
+                    n = min(bs, max(0, seq.num_computed_tokens - i * bs))
+                    filled[block_id] = max(filled.get(block_id, 0), n)
+        return KVUsage(
+            used_blocks=self.kv.stats()["used_blocks"],
+            table_blocks=len(filled),
+            filled_slots=sum(filled.values()),
+            unshared_blocks=unshared,
+            num_live_seqs=num_live,
+            reserved_max_tokens=reserved,
+        )

@@ -2,8 +2,9 @@
 
 A ``Request`` is one prompt with its sampling parameters; it owns one ``Sequence`` until its prompt
 is prefilled, then ``n`` sequences (parallel sampling) or ``beam_width`` (beam search), forks that
-share the prompt's KV blocks. The scheduler schedules requests; preemption and admission act on a
-whole request, so the sequences of a group always run together.
+share the prompt's KV blocks. The scheduler is the only code that changes a request or a sequence
+after it was queued: it schedules, appends, forks, finishes and frees. Preemption and admission
+act on a whole request, so the sequences of a group always run together.
 
 Index ranges of one sequence (``num_tokens = len(token_ids)``)::
 
@@ -12,8 +13,8 @@ Index ranges of one sequence (``num_tokens = len(token_ids)``)::
     KV cache:   | computed (cached or run) | to compute |
                 0                 num_computed_tokens   num_tokens
 
-A sequence whose ``num_computed_tokens`` reaches ``num_tokens - 0`` after a step has run its last
-token through the model: that step samples its next token.
+A step that brings ``num_computed_tokens`` to ``num_tokens`` has run the sequence's last token
+through the model: that step samples its next token.
 """
 
 from __future__ import annotations
@@ -36,14 +37,18 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """One growing token sequence with its own KV block table (kept by the KV cache manager)."""
+    """One growing token sequence with its own KV block table (kept by the KV cache manager).
 
-    seq_id: int
-    index: int  # position among the request's outputs
+    ``seq_id`` is assigned by the scheduler when the sequence is queued or forked.
+    ``block_hashes`` holds the chained hash of every full block of ``token_ids`` (with prefix
+    caching on); ``logprobs`` is None unless the request asked for them.
+    """
+
+    index: int  # position among the request's outputs (beam search: rank, best first)
     token_ids: list[int]
     num_prompt_tokens: int
+    seq_id: int = -1
     detokenizer: IncrementalDetokenizer | None = None
-    generator: torch.Generator | None = None
     num_computed_tokens: int = 0
     block_hashes: list = field(default_factory=list)
     cumulative_logprob: float = 0.0
@@ -71,10 +76,28 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
+    def fork(self, seq_id: int, index: int) -> Sequence:
+        """An independent copy at the same state (tokens, progress, hashes, text, logprobs)."""
+        return Sequence(
+            index=index,
+            token_ids=list(self.token_ids),
+            num_prompt_tokens=self.num_prompt_tokens,
+            seq_id=seq_id,
+            detokenizer=self.detokenizer.fork() if self.detokenizer is not None else None,
+            num_computed_tokens=self.num_computed_tokens,
+            block_hashes=list(self.block_hashes),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+        )
+
 
 @dataclass(eq=False)
 class Request:
-    """A prompt, its parameters and its sequences. ``seqs`` holds live and finished sequences."""
+    """A prompt, its parameters and its sequences. ``seqs`` holds live and finished sequences.
+
+    ``generators`` (seeded sampling only) holds one generator per sample index, so sample ``j``
+    draws from its own stream whatever else shares the batch, before and after the fork.
+    """
 
     request_id: str
     prompt: str | None
@@ -83,12 +106,12 @@ class Request:
     extra_keys: tuple
     max_total_tokens: int  # stop at this length (prompt + output): max_tokens or max_model_len
     seqs: list[Sequence] = field(default_factory=list)
+    generators: list[torch.Generator] | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     num_cached_tokens: int | None = None  # prompt tokens hit in the prefix cache at first admission
-    num_preemptions: int = 0
-    first_token_time: float | None = None
-    # beam search: finished hypotheses kept aside, (score, sequence) pairs
+    error: str | None = None  # set when the engine failed this request alone
+    # beam search: finished hypotheses kept aside, best first, at most beam_width
     finished_beams: list = field(default_factory=list)
 
     @property
@@ -101,6 +124,16 @@ class Request:
         if isinstance(self.params, BeamSearchParams):
             return self.params.beam_width
         return self.params.n
+
+    @property
+    def awaits_fork(self) -> bool:
+        """An n > 1 sampling request still on its one prompt sequence: its first sample forks it."""
+        return (
+            not self.is_beam_search
+            and self.num_samples > 1
+            and len(self.seqs) == 1
+            and self.seqs[0].num_output_tokens == 0
+        )
 
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixserve.attention.backend import AttentionMetadata
+from prefixserve.attention.metadata import AttentionMetadata, SeqSpan, build_attention_metadata
 
 
 def build_attn_metadata(
@@ -17,35 +17,10 @@ def build_attn_metadata(
     block_size: int,
     device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, AttentionMetadata]:
-    """Return ``(positions [T], metadata)`` for sequences ``(num_cached, num_new)``."""
-    positions, slots = [], []
-    for (cached, new), table in zip(seqs, block_tables):
-        for p in range(cached, cached + new):
-            positions.append(p)
-            slots.append(table[p // block_size] * block_size + p % block_size)
-    q_lens = [new for _, new in seqs]
-    seq_lens = [cached + new for cached, new in seqs]
-    num_decodes = 0
-    while num_decodes < len(seqs) and q_lens[num_decodes] == 1:
-        num_decodes += 1
-    width = max(len(t) for t in block_tables)
-    tables = [t + [0] * (width - len(t)) for t in block_tables]
-    cu = [0]
-    for n in q_lens:
-        cu.append(cu[-1] + n)
-    md = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(cu, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        num_decodes=num_decodes,
-        num_decode_tokens=num_decodes,
-        query_lens_cpu=q_lens,
-        seq_lens_cpu=seq_lens,
-    )
-    return torch.tensor(positions, dtype=torch.int64, device=device), md
+    """Return ``(positions [T], metadata)`` for sequences ``(num_cached, num_new)``, through the
+    engine's own builder (prefix groups planned as the model runner plans them)."""
+    spans = [SeqSpan(t, cached, new) for (cached, new), t in zip(seqs, block_tables)]
+    return build_attention_metadata(spans, block_size, device)
 
 
 class BlockAllocator:

@@ -86,7 +86,7 @@ def test_same_tokens_whatever_the_schedule(arch_case, engine_kw):
     outs = llm.generate(prompts, _greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in reference]
     if "num_kv_blocks" in engine_kw:
-        assert llm.llm_engine.scheduler.num_preemptions > 0
+        assert llm.llm_engine.stats().num_preemptions > 0
     _assert_no_block_in_use(llm)
 
 
@@ -235,8 +235,10 @@ def test_bad_prompts_raise_and_leave_the_engine_clean(tiny_llm):
         tiny_llm.generate(
             [[1] * (tiny_llm.llm_engine.max_model_len + 1)], _greedy(), use_tqdm=False
         )
-    with pytest.raises(CacheCapacityError):
-        tiny_llm.generate([[1] * 100], SamplingParams(max_tokens=4000, n=2), use_tqdm=False)
+    with pytest.raises(PromptTooLongError, match="you requested 4100 tokens"):
+        tiny_llm.generate([[1] * 100], SamplingParams(max_tokens=4000), use_tqdm=False)
+    with pytest.raises(CacheCapacityError):  # fits the context, never the 128-block cache
+        tiny_llm.generate([[1] * 100], SamplingParams(max_tokens=3900, n=2), use_tqdm=False)
     with pytest.raises(InvalidArgumentError):
         tiny_llm.generate([[1, 2], [3]], [_greedy()], use_tqdm=False)
     assert not tiny_llm.llm_engine.has_unfinished_requests()
@@ -275,7 +277,7 @@ def test_a_detokenizer_failure_fails_only_its_request(tiny_llm, monkeypatch):
         def boom(token_ids):
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
 
-        monkeypatch.setattr(engine.requests["bad"].seqs[0].detokenizer, "update", boom)
+        monkeypatch.setattr(engine.scheduler.requests["bad"].seqs[0].detokenizer, "update", boom)
 
     finals = _fault_case(tiny_llm, inject)
     assert "output processing" in finals["bad"].error
@@ -285,13 +287,13 @@ def test_nan_logits_fail_only_their_request(tiny_llm, monkeypatch):
     def inject(engine):
         execute = engine.runner.execute
 
-        def poisoned(out, tables, times):
-            samplers, logits = execute(out, tables, times)
-            logits = logits.clone()
-            for i, sched in enumerate(samplers):
+        def poisoned(out):
+            result = execute(out)
+            logits = result.logits.clone()
+            for i, sched in enumerate(result.samplers):
                 if sched.request.request_id == "bad":
                     logits[i] = float("nan")
-            return samplers, logits
+            return result._replace(logits=logits)
 
         monkeypatch.setattr(engine.runner, "execute", poisoned)
 
@@ -303,7 +305,7 @@ def test_a_sampler_failure_fails_only_its_request(tiny_llm, monkeypatch):
     """The batched sampler raises; the engine retries request by request and isolates the fault."""
 
     def inject(engine):
-        sampler = engine.sampler
+        sampler = engine.sampling_step.sampler
 
         def fragile(logits, metadata):
             if metadata.presence_penalty is not None and bool(
@@ -312,7 +314,7 @@ def test_a_sampler_failure_fails_only_its_request(tiny_llm, monkeypatch):
                 raise RuntimeError("injected sampler fault")
             return sampler(logits, metadata)
 
-        monkeypatch.setattr(engine, "sampler", fragile)
+        monkeypatch.setattr(engine.sampling_step, "sampler", fragile)
 
     finals = _fault_case(tiny_llm, inject, bad_params=_greedy(presence_penalty=0.5))
     assert "sampling" in finals["bad"].error

@@ -13,11 +13,8 @@ BLOCK = 8
 
 def _used_blocks_match_live_tables(engine) -> None:
     """Every block in use is held by a live sequence: nothing dropped still holds blocks."""
-    live = set()
-    for request in engine.scheduler.running:
-        for seq in request.live_seqs():
-            live.update(engine.kv.get_block_table(seq.seq_id))
-    assert engine.kv.stats()["used_blocks"] == len(live)
+    usage = engine.kv_usage()
+    assert usage.used_blocks == usage.table_blocks
 
 
 # ---- n > 1 --------------------------------------------------------------------------------
@@ -32,27 +29,28 @@ def test_parallel_sampling_prefills_once_and_shares_blocks(tiny):
     engine = tiny.llm_engine
     prompt = list(range(100, 100 + 3 * BLOCK + 5))  # 3 full blocks + a partial one
     n = 4
-    before = engine.counters.computed_prompt_tokens
+    kv = engine.scheduler.kv
+    before = engine.stats().computed_prompt_tokens
     engine.add_request(
         "fork-test", prompt, SamplingParams(n=n, max_tokens=6, temperature=1.0, seed=7)
     )
     engine.step()  # prefill, then the n samples fork
-    request = engine.requests["fork-test"]
-    assert engine.counters.computed_prompt_tokens - before == len(prompt)
-    tables = [engine.kv.get_block_table(s.seq_id) for s in request.seqs]
+    request = engine.scheduler.requests["fork-test"]
+    assert engine.stats().computed_prompt_tokens - before == len(prompt)
+    tables = [kv.get_block_table(s.seq_id) for s in request.seqs]
     assert len(tables) == n
     assert all(t == tables[0] for t in tables)  # one table, shared by all samples
-    pool = engine.kv.pool
+    pool = kv.pool
     assert all(pool.blocks[b].ref_cnt == n for b in tables[0])
     engine.step()  # first write into the shared partial block: copy-on-write
-    tables = [engine.kv.get_block_table(s.seq_id) for s in request.seqs]
+    tables = [kv.get_block_table(s.seq_id) for s in request.seqs]
     assert all(t[:3] == tables[0][:3] for t in tables)  # full prompt blocks still shared
     last_blocks = [t[3] for t in tables]
     assert len(set(last_blocks)) == n  # nobody writes a block another sequence holds
     _used_blocks_match_live_tables(engine)
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.kv.stats()["used_blocks"] == 0
+    assert engine.stats().kv_cache["used_blocks"] == 0
 
 
 def test_parallel_sampling_is_reproducible_and_in_index_order(tiny):
@@ -78,7 +76,7 @@ def test_preempted_parallel_sampling_gives_the_same_results():
     roomy = LLM(num_kv_blocks=512, block_size=BLOCK).generate(prompts, params, use_tqdm=False)
     tight = LLM(num_kv_blocks=30, block_size=BLOCK)
     outs = tight.generate(prompts, params, use_tqdm=False)
-    assert tight.llm_engine.scheduler.num_preemptions > 0
+    assert tight.llm_engine.stats().num_preemptions > 0
     assert [[c.token_ids for c in o.outputs] for o in outs] == [
         [c.token_ids for c in o.outputs] for o in roomy
     ]
@@ -135,7 +133,7 @@ def test_dropped_beams_free_their_blocks_during_the_run(tiny):
     while engine.has_unfinished_requests():
         engine.step()
         _used_blocks_match_live_tables(engine)
-    assert engine.kv.stats()["used_blocks"] == 0
+    assert engine.stats().kv_cache["used_blocks"] == 0
 
 
 def test_preempted_beam_groups_give_the_same_results():
@@ -144,7 +142,7 @@ def test_preempted_beam_groups_give_the_same_results():
     roomy = LLM(num_kv_blocks=512, block_size=BLOCK).beam_search(prompts, params)
     tight = LLM(num_kv_blocks=24, block_size=BLOCK)
     outs = tight.beam_search(prompts, params)
-    assert tight.llm_engine.scheduler.num_preemptions > 0
+    assert tight.llm_engine.stats().num_preemptions > 0
     assert [[c.token_ids for c in o.outputs] for o in outs] == [
         [c.token_ids for c in o.outputs] for o in roomy
     ]

@@ -20,7 +20,6 @@ import requests
 import schemathesis
 import uvicorn
 from hypothesis import HealthCheck, Phase, given, settings
-from prefixserve.api.async_engine import AsyncEngine
 from prefixserve.api.server import ServerConfig, create_app
 from test_server import MODEL, free_port
 
@@ -36,7 +35,7 @@ EXAMPLES_PER_GET = 5
 def live() -> Iterator[tuple[str, dict]]:
     """(base URL, OpenAPI schema) of an in-thread server with a tiny context and KV pool."""
     llm_engine = LLMEngine(EngineConfig(num_kv_blocks=96, max_model_len=16, max_num_seqs=32))
-    app = create_app(AsyncEngine(llm_engine), ServerConfig(served_model_names=[MODEL]))
+    app = create_app(llm_engine, ServerConfig(served_model_names=[MODEL]))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -25,7 +25,7 @@ from prefixserve.kernels import (
     store_kv_cache,
 )
 
-from prefixserve.attention.backend import AttentionMetadata
+from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.attention.triton_backend import TritonAttentionBackend
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

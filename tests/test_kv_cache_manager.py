@@ -29,10 +29,10 @@ def admit(
     """Lookup, allocate and 'run' the prompt, registering its full blocks."""
     hs = hashes_of(tokens, extra)
     hit = mgr.lookup(tokens, hs)
-    copies = mgr.allocate_slots(sid, hit.num_tokens, len(tokens) - hit.num_tokens, hit)
-    if copies is not None:
+    admitted = mgr.allocate_for_prompt(sid, hit, len(tokens) - hit.num_tokens)
+    if admitted:
         mgr.cache_full_blocks(sid, tokens, hs, len(tokens))
-    return hit, copies
+    return hit, [] if admitted else None
 
 
 def refs(mgr: KVCacheManager) -> list[int]:
@@ -87,7 +87,7 @@ def test_decode_blocks_are_cached_once_full() -> None:
     admit(mgr, "a", tokens)
     hashed_after = []
     for step in range(6):
-        assert mgr.allocate_slots("a", len(tokens), 1) == []
+        assert mgr.append_slots("a", len(tokens), 1) == []
         tokens.append(50 + step)
         extend_block_hashes(tokens, BS, (), hs)
         mgr.cache_full_blocks("a", tokens, hs, len(tokens))
@@ -166,18 +166,18 @@ def test_failed_allocation_changes_nothing() -> None:
     tokens = list(range(8)) + list(range(100, 110))
     hit, copies = admit(mgr, "c", tokens)  # hit 2 blocks, needs 3 more, only 1 free
     assert hit.num_tokens == 8 and copies is None
-    assert mgr.allocate_slots("b", 3, 14) is None
+    assert mgr.append_slots("b", 3, 14) is None
     assert snapshot(mgr, ["b"]) == before
-    with pytest.raises(InvalidArgumentError):
+    with pytest.raises(AssertionError):
         mgr.get_block_table("c")
 
 
 def test_admission_keeps_the_watermark_growth_may_use_it() -> None:
     mgr = KVCacheManager(100, BS, watermark=0.1)
-    assert mgr.allocate_slots("a", 0, 91 * BS) is None
-    assert mgr.allocate_slots("a", 0, 90 * BS) == []
+    assert not mgr.allocate_for_prompt("a", PrefixHit([], 0, 0), 91 * BS)
+    assert mgr.allocate_for_prompt("a", PrefixHit([], 0, 0), 90 * BS)
     assert not mgr.can_allocate(1)
-    assert mgr.allocate_slots("a", 90 * BS, 10 * BS) == []
+    assert mgr.append_slots("a", 90 * BS, 10 * BS) == []
     assert mgr.usage == 1.0
 
 
@@ -211,10 +211,10 @@ def test_fork_shares_every_block_and_first_writer_copies() -> None:
     mgr.fork("a", "c")
     assert mgr.get_block_table("b") == mgr.get_block_table("c") == [0, 1]
     assert refs(mgr)[:2] == [3, 3]
-    assert mgr.allocate_slots("b", 6, 1) == [(1, 2)]
+    assert mgr.append_slots("b", 6, 1) == [(1, 2)]
     assert mgr.get_block_table("b") == [0, 2]
-    assert mgr.allocate_slots("c", 6, 1) == [(1, 3)]
-    assert mgr.allocate_slots("a", 6, 1) == []  # the last holder keeps the original
+    assert mgr.append_slots("c", 6, 1) == [(1, 3)]
+    assert mgr.append_slots("a", 6, 1) == []  # the last holder keeps the original
     assert mgr.get_block_table("a") == [0, 1]
     assert refs(mgr)[:4] == [3, 1, 1, 1]
     assert mgr.stats()["cow_copies"] == 2
@@ -224,8 +224,8 @@ def test_fork_at_a_block_boundary_needs_no_copy() -> None:
     mgr = make(8)
     admit(mgr, "a", list(range(8)))
     mgr.fork("a", "b")
-    assert mgr.allocate_slots("a", 8, 1) == []
-    assert mgr.allocate_slots("b", 8, 1) == []
+    assert mgr.append_slots("a", 8, 1) == []
+    assert mgr.append_slots("b", 8, 1) == []
     assert mgr.get_block_table("a") == [0, 1, 2] and mgr.get_block_table("b") == [0, 1, 3]
 
 
@@ -235,7 +235,7 @@ def test_copy_that_does_not_fit_changes_nothing() -> None:
     mgr.fork("a", "b")
     admit(mgr, "x", [7])
     before = snapshot(mgr, ["a", "b", "x"])
-    assert mgr.allocate_slots("a", 2, 1) is None
+    assert mgr.append_slots("a", 2, 1) is None
     assert snapshot(mgr, ["a", "b", "x"]) == before
 
 
@@ -245,7 +245,7 @@ def test_next_turn_hits_the_generated_answer() -> None:
     hs = hashes_of(tokens)
     admit(mgr, "t1", tokens)
     for tok in range(100, 106):
-        mgr.allocate_slots("t1", len(tokens), 1)
+        mgr.append_slots("t1", len(tokens), 1)
         tokens.append(tok)
         extend_block_hashes(tokens, BS, (), hs)
         mgr.cache_full_blocks("t1", tokens, hs, len(tokens))
@@ -284,20 +284,21 @@ def test_caching_disabled() -> None:
     assert mgr.stats()["free_blocks"] == 4 and mgr.stats()["cached_blocks"] == 0
 
 
-def test_argument_errors() -> None:
+def test_internal_misuse_asserts_bad_configuration_raises() -> None:
+    """Only the engine calls the manager: its misuse is a bug (AssertionError), not a 400."""
     mgr = make(4)
     mgr.free("nobody")
-    with pytest.raises(InvalidArgumentError):
+    with pytest.raises(AssertionError):
         mgr.get_block_table("nobody")
-    with pytest.raises(InvalidArgumentError):
-        mgr.allocate_slots("a", 4, 1)  # admission without a hit covering 4 tokens
+    with pytest.raises(AssertionError):
+        mgr.append_slots("a", 4, 1)  # growth of a sequence never admitted
     admit(mgr, "a", [1])
-    with pytest.raises(InvalidArgumentError):
-        mgr.allocate_slots("a", 1, 1, PrefixHit([], 0, 0))
-    with pytest.raises(InvalidArgumentError):
+    with pytest.raises(AssertionError):
+        mgr.allocate_for_prompt("a", PrefixHit([], 0, 0), 1)  # admitted twice
+    with pytest.raises(AssertionError):
         mgr.fork("a", "a")
-    with pytest.raises(InvalidArgumentError):
-        mgr.allocate_slots("a", -1, 1)
+    with pytest.raises(AssertionError):
+        mgr.append_slots("a", -1, 1)
     with pytest.raises(InvalidArgumentError):
         KVCacheManager(4, 0)
     with pytest.raises(InvalidArgumentError):

@@ -71,14 +71,12 @@ class KVCacheMachine(RuleBasedStateMachine):
         hit = self.mgr.lookup(seq.tokens, seq.hashes)
         assert hit.num_tokens < len(tokens)
         before = self.snapshot()
-        copies = self.mgr.allocate_slots(sid, hit.num_tokens, len(tokens) - hit.num_tokens, hit)
-        if copies is None:
+        if not self.mgr.allocate_for_prompt(sid, hit, len(tokens) - hit.num_tokens):
             assert self.snapshot() == before
             return None
-        assert copies == []
         self.seqs[sid] = seq
         seq.num_computed = hit.num_tokens
-        self.forward(sid, copies, len(tokens))
+        self.forward(sid, [], len(tokens))
         return sid
 
     def pick(self, data: st.DataObject) -> int:
@@ -106,7 +104,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         sid = self.pick(data)
         seq = self.seqs[sid]
         before = self.snapshot()
-        copies = self.mgr.allocate_slots(sid, seq.num_computed, len(new))
+        copies = self.mgr.append_slots(sid, seq.num_computed, len(new))
         if copies is None:
             assert self.snapshot() == before
             return

@@ -11,9 +11,9 @@ import torch
 from attn_utils import BlockAllocator, build_attn_metadata, new_kv_caches, run_step
 from checkpoints import ARCHS, hf_logits, load_hf_model, make_checkpoint
 
+from prefixserve.attention.metadata import SeqSpan, build_attention_metadata
 from prefixserve.attention.torch_backend import TorchAttentionBackend
 from prefixserve.errors import ModelLoadError, UnsupportedModelError
-from prefixserve.model_runner import sampling_rows_metadata
 from prefixserve.models import (
     BUILTIN_MODEL_NAME,
     SUPPORTED_ARCHITECTURES,
@@ -107,7 +107,8 @@ def test_last_layer_runs_only_for_sampling_rows(checkpoints, arch):
     rows = md.query_start_loc[1:][sampling].long() - 1
     for keep_seqs, keep_rows in ((sampling, rows), ([], rows[:0])):
         pruned_kv = kv.clone()
-        md_rows = sampling_rows_metadata(md, keep_rows, keep_seqs, tables, BS)
+        row_spans = [SeqSpan(tables[i], cached[i] + new[i] - 1, 1) for i in keep_seqs]
+        md_rows = build_attention_metadata(row_spans, BS, "cpu")[1] if row_spans else None
         step_md = dataclasses.replace(md, backend_plan=None)
         pruned = model(ids, positions, pruned_kv, step_md, (keep_rows, md_rows))
         torch.testing.assert_close(pruned, full[keep_rows], atol=1e-5, rtol=0)

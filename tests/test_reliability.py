@@ -38,8 +38,8 @@ async def inprocess(
     llm_engine = LLMEngine(EngineConfig(**kwargs))
     if engine_hook is not None:
         engine_hook(llm_engine)
-    engine = AsyncEngine(llm_engine)
-    app = create_app(engine, config or ServerConfig(served_model_names=[MODEL]))
+    app = create_app(llm_engine, config or ServerConfig(served_model_names=[MODEL]))
+    engine: AsyncEngine = app.state.engine
     engine.start()
     transport = httpx.ASGITransport(app=app)
     try:
@@ -54,8 +54,8 @@ async def wait_idle(engine: AsyncEngine, timeout: float = 20.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         snap = engine.snapshot()
-        if snap.num_running == snap.num_waiting == snap.cache["used_blocks"] == 0:
-            return snap.cache
+        if snap.num_running == snap.num_waiting == snap.kv_cache["used_blocks"] == 0:
+            return snap.kv_cache
         assert time.monotonic() < deadline, f"engine not idle: {snap}"
         await asyncio.sleep(0.05)
 
@@ -190,19 +190,19 @@ MARK = [3, 1, 4, 1, 5, 9, 2, 6]  # prompts starting with these token ids fail in
 
 def break_marked_requests(llm_engine: LLMEngine) -> None:
     """Make detokenization raise for every sequence of a request whose prompt starts with MARK."""
-    new_sequence = llm_engine.new_sequence
+    add_request = llm_engine.scheduler.add_request
 
-    def patched(request, index, token_ids):
-        seq = new_sequence(request, index, token_ids)
+    def patched(request) -> None:
+        seq = request.seqs[0]
         if request.prompt_token_ids[: len(MARK)] == MARK and seq.detokenizer is not None:
 
             def broken(new_token_ids: list[int]) -> str | None:
                 raise RuntimeError("injected detokenizer failure")
 
             seq.detokenizer.update = broken
-        return seq
+        add_request(request)
 
-    llm_engine.new_sequence = patched
+    llm_engine.scheduler.add_request = patched
 
 
 def test_one_failing_request_fails_alone():

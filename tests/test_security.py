@@ -53,8 +53,8 @@ def test_salted_requests_share_no_block_while_running():
     a2 = engine.add_request("a2", prompt, params["A"])
     b = engine.add_request("b", prompt, params["B"])
     engine.step()
-    table_a2 = engine.kv.get_block_table(a2.seqs[0].seq_id)
-    table_b = engine.kv.get_block_table(b.seqs[0].seq_id)
+    table_a2 = engine.scheduler.kv.get_block_table(a2.seqs[0].seq_id)
+    table_b = engine.scheduler.kv.get_block_table(b.seqs[0].seq_id)
     assert len(table_a2) >= 4 and len(table_b) >= 4
     assert not set(table_a2) & set(table_b)
     assert a2.num_cached_tokens > 0 and b.num_cached_tokens == 0

@@ -142,15 +142,19 @@ def test_chat_stream_equals_non_stream(client):
 
 
 def test_completion_stream_equals_non_stream(client):
-    full = client.completions.create(
-        model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0
-    )
+    prompt = "Once upon a time, in a test of streaming that no other test sends, " * 2
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0)
     assert full.id.startswith("cmpl-") and full.object == "text_completion"
+    assert full.usage.prompt_tokens_details.cached_tokens == 0  # never seen before
     stream = client.completions.create(
-        model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0, stream=True
-    )
-    assert "".join(c.choices[0].text for c in stream if c.choices) == full.choices[0].text
-    assert full.usage.prompt_tokens_details.cached_tokens >= 0
+        model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    # the second time every full block of the prompt but the last token's is cached
+    num_prompt = full.usage.prompt_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (num_prompt - 1) // 16 * 16
 
 
 def test_n_choices_and_prompt_lists(client):
@@ -372,10 +376,10 @@ def test_metrics_names(server, client):
         "prefixserve_inter_token_latency_seconds_count",
         "prefixserve_e2e_request_latency_seconds_count",
     ]:
-        assert metric(samples, name) >= 0
+        metric(samples, name)  # raises KeyError when the series is missing
     assert metric(samples, "prefixserve_request_success_total", finish_reason="length") >= 1
-    for state in ("free", "cached", "used"):
-        assert metric(samples, "prefixserve_kv_blocks", state=state) >= 0
+    blocks = [metric(samples, "prefixserve_kv_blocks", state=s) for s in ("free", "cached", "used")]
+    assert sum(blocks) == 512  # the server's --num-kv-blocks: every block in exactly one state
 
 
 def test_api_key():
@@ -393,7 +397,6 @@ def test_api_key():
 
 def test_engine_death_makes_health_503():
     from fastapi.testclient import TestClient
-    from prefixserve.api.async_engine import AsyncEngine
     from prefixserve.api.server import ServerConfig, create_app
 
     from prefixserve.config import EngineConfig
@@ -405,10 +408,8 @@ def test_engine_death_makes_health_503():
         raise RuntimeError("simulated device failure")
 
     llm_engine.step = broken_step
-    engine = AsyncEngine(llm_engine)
     deaths = []
-    engine.on_death = deaths.append
-    app = create_app(engine, ServerConfig(served_model_names=[MODEL]))
+    app = create_app(llm_engine, ServerConfig(served_model_names=[MODEL]), deaths.append)
     with TestClient(app) as tc:
         assert tc.get("/health").status_code == 200
         r = tc.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})

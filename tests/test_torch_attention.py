@@ -112,7 +112,7 @@ def test_prefix_groups_match_dense_reference(seed, gqa, consecutive):
     """Cascade attention: members share leading blocks (one physical copy); results equal the
     dense reference, and equal the same batch run without groups. Shared blocks that follow one
     another in the pool are read as a view, others gathered; both are checked."""
-    from prefixserve.model_runner import _prefix_groups
+    from prefixserve.attention.prefix_groups import plan_prefix_groups
 
     rng = random.Random(seed)
     bs, nkv, hd = 8, 2, 16
@@ -151,7 +151,7 @@ def test_prefix_groups_match_dense_reference(seed, gqa, consecutive):
         ctx_k.append(k)
         ctx_v.append(v)
     _, md = build_attn_metadata(seqs, tables, bs)
-    md.prefix_groups = _prefix_groups(tables, [c for c, _ in seqs], bs)
+    md.prefix_groups = plan_prefix_groups(tables, [c for c, _ in seqs], bs)
     assert md.prefix_groups == [([0, 1, 2, 3, 4], shared_len // bs)]
     query = torch.randn(sum(n for _, n in seqs), nh, hd, generator=gen)
     key = torch.cat([k[c:] for (c, _), k in zip(seqs, ctx_k)])
@@ -171,7 +171,7 @@ def test_prefix_groups_match_dense_reference(seed, gqa, consecutive):
 
 def test_prefix_groups_split_where_sharing_nests():
     """A preamble shared by all, documents shared within two sets: two groups, one per set."""
-    from prefixserve.model_runner import _prefix_groups
+    from prefixserve.attention.prefix_groups import plan_prefix_groups
 
     preamble = [0, 1, 2, 3]
     set_a, set_b = list(range(10, 30)), list(range(40, 60))
@@ -179,8 +179,10 @@ def test_prefix_groups_split_where_sharing_nests():
     tables += [preamble + set_b + [200 + i] for i in range(2)]
     tables.append(preamble + [300, 301, 302, 303, 304])  # shares only the preamble
     starts = [len(t) * 8 - 3 for t in tables]
-    groups = _prefix_groups(tables, starts, block_size=8)
+    groups = plan_prefix_groups(tables, starts, block_size=8)
     assert sorted(groups) == [([0, 1, 2], 24), ([3, 4], 24)]
     # shallow sharing only: one group over the preamble
-    groups = _prefix_groups([preamble + [50 + i] * 20 for i in range(4)], [300] * 4, block_size=16)
+    groups = plan_prefix_groups(
+        [preamble + [50 + i] * 20 for i in range(4)], [300] * 4, block_size=16
+    )
     assert groups == [([0, 1, 2, 3], 4)]

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixserve.attention.backend import AttentionBackend, AttentionMetadata
+from prefixserve.attention.backend import AttentionBackend
+from prefixserve.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,8 @@ from importlib.util import find_spec
 
 import torch
 
-from prefixserve.attention.backend import AttentionBackend, AttentionMetadata
+from prefixserve.attention.backend import AttentionBackend
+from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.errors import BackendUnavailableError
 
 if find_spec("triton") is not None:

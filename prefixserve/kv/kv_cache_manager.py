@@ -1,7 +1,10 @@
 """KVCacheManager: the engine's only door to the KV cache.
 
-The scheduler asks for slots by token counts and never sees block ids; the model runner
-reads ``get_block_table`` and performs the copy-on-write pairs ``allocate_slots`` returns.
+The scheduler asks for slots by token counts: ``allocate_for_prompt`` when it admits a sequence
+(after ``lookup`` found its cached prefix), ``append_slots`` when a running sequence grows. It
+passes the block tables (``get_block_table``) and the copy-on-write pairs ``append_slots`` returns
+on to the model runner without looking inside. Misuse by the engine's own code (an unknown
+sequence, admitting one twice) is an ``AssertionError``: no user input reaches these calls.
 
 One sequence, block_size 4, after a forward over 10 tokens (``num_computed_tokens`` 10)
 and before the next step writes 3 more::
@@ -29,9 +32,9 @@ SeqId = Hashable
 
 @dataclass(slots=True)
 class PrefixHit:
-    """The longest cached prefix of a prompt; no side effects until ``allocate_slots``.
+    """The longest cached prefix of a prompt; no side effects until ``allocate_for_prompt``.
 
-    Valid until the next call that can evict (``allocate_slots``, ``reset_prefix_cache``).
+    Valid until the next call that can evict (an allocation, ``reset_prefix_cache``).
     """
 
     blocks: list[KVBlock]
@@ -49,7 +52,7 @@ class KVCacheManager:
     """Block tables of live sequences over one ``BlockPool``.
 
     Invariants (checked by tests/test_kv_invariants.py): each block's ref_cnt equals the
-    number of block-table entries pointing at it; after ``allocate_slots`` every block a
+    number of block-table entries pointing at it; after ``append_slots`` every block a
     sequence will write is held by that sequence alone.
     """
 
@@ -106,63 +109,48 @@ class KVCacheManager:
             start += bs
         return PrefixHit(blocks, start, num_query)
 
-    def allocate_slots(
-        self,
-        seq_id: SeqId,
-        num_computed_tokens: int,
-        num_new_tokens: int,
-        hit: PrefixHit | None = None,
-    ) -> list[tuple[int, int]] | None:
-        """Make ``seq_id``'s block table cover ``num_computed_tokens + num_new_tokens`` tokens.
+    def allocate_for_prompt(self, seq_id: SeqId, hit: PrefixHit, num_new_tokens: int) -> bool:
+        """Admit a new sequence: its table is ``hit.blocks`` plus fresh blocks for the
+        ``num_new_tokens`` tokens that follow the hit. Keeps the watermark in reserve.
 
-        An unknown ``seq_id`` is admitted: its table starts with ``hit.blocks`` and
-        ``num_computed_tokens`` must equal ``hit.num_tokens``; admission keeps the watermark.
-        A shared block about to be written is first copied to a fresh one (copy-on-write).
-
-        Returns the ``(src_block_id, dst_block_id)`` copies to perform before the forward,
-        or None when the blocks do not fit, in which case nothing changed at all.
+        Returns False, having changed nothing, when the blocks do not fit. The hit ends on a block
+        boundary, so no block of it is ever written: admission needs no copy-on-write.
         """
-        if num_computed_tokens < 0 or num_new_tokens < 0:
-            raise InvalidArgumentError(
-                f"token counts must be >= 0, got {num_computed_tokens} and {num_new_tokens}"
-            )
-        state = self._seqs.get(seq_id)
-        if state is None:
-            hit = hit if hit is not None else PrefixHit([], 0, 0)
-            if num_computed_tokens != hit.num_tokens:
-                raise InvalidArgumentError(
-                    f"admitting {seq_id!r}: num_computed_tokens {num_computed_tokens} must equal "
-                    f"the prefix hit's {hit.num_tokens} tokens",
-                    "num_computed_tokens",
-                )
-            table = hit.blocks
-        elif hit is not None:
-            raise InvalidArgumentError(f"{seq_id!r} is already admitted; pass no hit", "hit")
-        else:
-            table = state.blocks
+        assert seq_id not in self._seqs, f"{seq_id!r} is already admitted"
+        assert num_new_tokens >= 0
+        num_fresh = self.get_num_blocks_needed(hit.num_tokens + num_new_tokens) - len(hit.blocks)
+        evictable_hits = len({b.block_id for b in hit.blocks if b.ref_cnt == 0})
+        if not self.can_allocate(num_fresh + evictable_hits):
+            return False
+        self.pool.touch(hit.blocks)
+        blocks = list(hit.blocks)
+        blocks.extend(self.pool.allocate(num_fresh))
+        self._seqs[seq_id] = _SeqState(blocks, len(hit.blocks))
+        self._query_tokens += hit.num_query_tokens
+        self._hit_tokens += hit.num_tokens
+        return True
 
+    def append_slots(
+        self, seq_id: SeqId, num_computed_tokens: int, num_new_tokens: int
+    ) -> list[tuple[int, int]] | None:
+        """Grow an admitted sequence's table to cover ``num_computed_tokens + num_new_tokens``.
+
+        A shared block about to be written is first swapped for a fresh copy (copy-on-write).
+        Returns the ``(src_block_id, dst_block_id)`` copies to perform before the forward, or
+        None, having changed nothing, when the blocks do not fit. Growth may use the watermark.
+        """
+        assert num_computed_tokens >= 0 and num_new_tokens >= 0
+        blocks = self._require(seq_id).blocks
         total = num_computed_tokens + num_new_tokens
-        num_grow = max(0, self.get_num_blocks_needed(total) - len(table))
-        first_write = num_computed_tokens // self.block_size
-        end_write = min(self.get_num_blocks_needed(total), len(table))
-        cow = [i for i in range(first_write, end_write) if table[i].ref_cnt > 1]
-        if num_new_tokens == 0:  # nothing is written, not even into the partial last block
-            cow = []
-        num_fresh = num_grow + len(cow)
-
-        if state is None:
-            assert hit is not None
-            evictable_hits = len({b.block_id for b in table if b.ref_cnt == 0})
-            if not self.can_allocate(num_fresh + evictable_hits):
-                return None
-            self.pool.touch(table)
-            state = self._seqs[seq_id] = _SeqState(list(table), len(table))
-            self._query_tokens += hit.num_query_tokens
-            self._hit_tokens += hit.num_tokens
-        elif num_fresh > self.pool.num_available_blocks:
+        num_needed = self.get_num_blocks_needed(total)
+        num_grow = max(0, num_needed - len(blocks))
+        cow = []
+        if num_new_tokens > 0:  # nothing is written otherwise, not even into the last block
+            first_write = num_computed_tokens // self.block_size
+            cow = [i for i in range(first_write, min(num_needed, len(blocks)))
+                   if blocks[i].ref_cnt > 1]  # fmt: skip
+        if num_grow + len(cow) > self.pool.num_available_blocks:
             return None
-
-        blocks = state.blocks
         copies = []
         for i in cow:
             fresh = self.pool.copy_on_write(blocks[i])
@@ -182,18 +170,18 @@ class KVCacheManager:
 
         The scheduler calls it when it schedules the tokens that fill them: the forward of that
         step writes every layer's K/V before any query reads it, so a request admitted later in
-        the same step may already hit these blocks. Generated tokens count like prompt tokens. ``block_hashes`` is the sequence's own list (it may run ahead).
+        the same step may already hit these blocks. Generated tokens count like prompt tokens.
+        ``block_hashes`` is the sequence's own list (it may run ahead).
         """
         state = self._require(seq_id)
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
         num_full = min(num_computed_tokens // bs, len(state.blocks))
-        if len(block_hashes) < num_full or len(token_ids) < num_full * bs:
-            raise InvalidArgumentError(
-                f"{seq_id!r}: {num_full} full blocks computed but only {len(block_hashes)} "
-                f"hashes and {len(token_ids)} tokens given"
-            )
+        assert len(block_hashes) >= num_full and len(token_ids) >= num_full * bs, (
+            f"{seq_id!r}: {num_full} full blocks computed but only {len(block_hashes)} hashes "
+            f"and {len(token_ids)} tokens given"
+        )
         cache_block = self.pool.cache_block
         for i in range(state.num_registered, num_full):
             block = state.blocks[i]
@@ -204,8 +192,7 @@ class KVCacheManager:
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
         """The child shares every block of the parent (ref_cnt + 1 each)."""
         parent = self._require(parent_id)
-        if child_id in self._seqs:
-            raise InvalidArgumentError(f"fork: {child_id!r} is already a live sequence", "child_id")
+        assert child_id not in self._seqs, f"fork: {child_id!r} is already a live sequence"
         self.pool.touch(parent.blocks)
         self._seqs[child_id] = _SeqState(list(parent.blocks), parent.num_registered)
 
@@ -242,6 +229,5 @@ class KVCacheManager:
 
     def _require(self, seq_id: SeqId) -> _SeqState:
         state = self._seqs.get(seq_id)
-        if state is None:
-            raise InvalidArgumentError(f"unknown sequence {seq_id!r}", "seq_id")
+        assert state is not None, f"unknown sequence {seq_id!r}"
         return state

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixserve.attention.backend import AttentionBackend, AttentionMetadata
+from prefixserve.attention.backend import AttentionBackend
+from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.errors import ModelLoadError
 from prefixserve.models.config import ModelConfig
 

@@ -1,0 +1,287 @@
+"""What chat and text completions share: model check, engine parameters, admission, collecting
+outputs, and one streaming core.
+
+A request becomes one or more engine requests (one per prompt); outputs are cumulative, so a
+stream's delta is the new suffix of a choice's text, token ids and logprobs since the last event
+(``DeltaTracker``). Every engine request a handler added is aborted when the handler ends before
+it finished (client gone, error, timeout, cancellation). A request is admitted whole or refused
+whole (503 when the waiting queue is full). A stream always ends with ``data: [DONE]``, after an
+OpenAI-shaped error event if it failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+
+from fastapi import Request
+from prefixserve.api.async_engine import AsyncEngine, RequestStream
+from prefixserve.api.protocol import APIError, PromptTokensDetails, Usage
+
+from prefixserve.errors import CacheCapacityError, InvalidArgumentError
+from prefixserve.outputs import CompletionOutput, RequestOutput
+from prefixserve.sampling_params import BeamSearchParams, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def chunk_event(base: dict, choices: list[dict], **extra) -> str:
+    """One streamed chunk: ``base`` (id, object, model) with a fresh ``created``."""
+    return sse({**base, "created": int(time.time()), "choices": choices, **extra})
+
+
+def usage_of(finals: list[RequestOutput]) -> Usage:
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in finals)
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    """What a choice gained since its last event. ``text_offset``: where ``text`` starts in the
+    choice's whole text; ``first``: this is the choice's first event (nothing was sent yet)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    text_offset: int
+    finish_reason: str | None
+    stop_reason: str | int | None
+    first: bool
+
+
+class DeltaTracker:
+    """Per choice index, how much text and how many tokens were already sent.
+
+    Invariant: the concatenated ``text`` of a choice's deltas is its final text, each token is
+    sent once, and a choice yields nothing after the delta that carries its finish reason.
+    """
+
+    def __init__(self) -> None:
+        self._sent: dict[int, tuple[int, int]] = {}  # index -> (chars, tokens)
+        self._done: set[int] = set()
+
+    def delta(self, index: int, c: CompletionOutput, text: str) -> ChoiceDelta | None:
+        """The delta of choice ``index`` whose output is ``c`` with visible ``text``; None if
+        nothing is new."""
+        if index in self._done:
+            return None
+        first = index not in self._sent
+        chars, tokens = self._sent.get(index, (0, 0))
+        new_ids = c.token_ids[tokens:]
+        if len(text) == chars and not new_ids and c.finish_reason is None:
+            return None
+        self._sent[index] = (len(text), len(c.token_ids))
+        if c.finish_reason is not None:
+            self._done.add(index)
+        logprobs = c.logprobs[tokens:] if c.logprobs is not None else None
+        return ChoiceDelta(index, text[chars:], new_ids, logprobs, chars, c.finish_reason,
+                           c.stop_reason, first)  # fmt: skip
+
+
+class BaseServing:
+    """What both endpoints share. ``request_timeout`` (seconds) bounds each request's time in
+    the engine; ``require_cache_salt`` refuses requests without a ``cache_salt`` (every tenant
+    must name its cache namespace)."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        served_model_names: list[str],
+        request_timeout: float | None = None,
+        require_cache_salt: bool = False,
+    ) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.request_timeout = request_timeout
+        self.require_cache_salt = require_cache_salt
+        self._token_text: dict[int, str] = {}
+
+    def check_model(self, model: str | None) -> str:
+        if model is not None and model not in self.served_model_names:
+            raise APIError(f"The model `{model}` does not exist.", 404, "model")
+        return self.served_model_names[0]
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.engine.tokenizer.decode([token_id])
+        return text
+
+    def make_params(self, req, max_tokens: int | None, logprobs: int | None):
+        """Engine parameters of a request (the engine checks them against the context)."""
+        if self.require_cache_salt and not req.cache_salt:
+            raise APIError(
+                "cache_salt: this server requires a non-empty 'cache_salt' on every request "
+                "(it isolates your prefix cache from other tenants); add one",
+                400,
+                "cache_salt",
+            )
+        try:
+            if req.use_beam_search:
+                return BeamSearchParams(
+                    beam_width=req.n,
+                    max_tokens=max_tokens,
+                    length_penalty=req.length_penalty,
+                    ignore_eos=req.ignore_eos,
+                    cache_salt=req.cache_salt,
+                    stop_token_ids=list(req.stop_token_ids or []),
+                )
+            return SamplingParams(
+                n=req.n,
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=0 if req.top_k is None else req.top_k,
+                min_p=0.0 if req.min_p is None else req.min_p,
+                seed=req.seed,
+                stop=req.stop,
+                stop_token_ids=req.stop_token_ids,
+                logprobs=logprobs,
+                ignore_eos=req.ignore_eos,
+                min_tokens=req.min_tokens,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
+                cache_salt=req.cache_salt,
+                skip_special_tokens=req.skip_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+            )
+        except InvalidArgumentError as exc:
+            raise APIError(str(exc), 400, exc.param) from exc
+
+    async def add_all(
+        self, request_id: str, prompts: list[list[int]], params_list: list, prompt_param: str
+    ) -> list[RequestStream]:
+        """Add one engine request per prompt; on any refusal abort those added and raise a 400
+        (the engine's "prompt" parameter is reported as ``prompt_param``).
+
+        Raises ``EngineOverloadedError`` (503) before adding anything when the queue is full.
+        """
+        self.engine.admit(len(prompts))
+        streams: list[RequestStream] = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                streams.append(
+                    await self.engine.add(
+                        f"{request_id}-{i}", prompt, params, timeout=self.request_timeout
+                    )
+                )
+        except (InvalidArgumentError, CacheCapacityError) as exc:
+            self.abort_all(streams)
+            param = getattr(exc, "param", None)
+            raise APIError(str(exc), 400, prompt_param if param == "prompt" else param) from exc
+        except BaseException:
+            self.abort_all(streams)
+            raise
+        return streams
+
+    def abort_all(self, streams: list[RequestStream]) -> None:
+        for stream in streams:
+            if not stream.finished:
+                self.engine.abort(stream.request_id)
+
+    async def collect(
+        self, raw_request: Request, streams: list[RequestStream]
+    ) -> list[RequestOutput]:
+        """Final outputs of every stream; aborts all of them if the client disconnects first."""
+        watcher = asyncio.create_task(_wait_disconnect(raw_request))
+        try:
+            finals: list[RequestOutput] = []
+            for stream in streams:
+                waiter = asyncio.ensure_future(_last(stream))
+                done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if waiter not in done:
+                    waiter.cancel()
+                    logger.info("client disconnected; aborting %s", stream.request_id)
+                    raise APIError("client disconnected", 499)
+                finals.append(waiter.result())
+            return finals
+        finally:
+            watcher.cancel()
+            self.abort_all(streams)
+
+    async def stream(
+        self,
+        streams: list[RequestStream],
+        base: dict,
+        events: Callable[[int, RequestOutput], Iterable[str]],
+        include_usage: bool,
+        first_events: Iterable[str] = (),
+    ) -> AsyncIterator[str]:
+        """The SSE lines of a stream: ``first_events``, then ``events(position, output)`` for
+        each output as it comes, the usage chunk once all finished (if asked), and the error
+        tail and ``[DONE]``. However it ends, the streams' engine requests end with it."""
+        finals: dict[int, RequestOutput] = {}
+        try:
+            for event in first_events:
+                yield event
+            async for p, out in merge(streams):
+                if out.finished:
+                    finals[p] = out
+                for event in events(p, out):
+                    yield event
+            if include_usage:
+                usage = usage_of([finals[p] for p in sorted(finals)])
+                yield chunk_event(base, [], usage=usage.model_dump())
+        except APIError as exc:
+            yield sse(exc.body())
+        except Exception as exc:
+            logger.exception("stream failed")
+            yield sse(APIError(str(exc), 500).body())
+        finally:
+            self.abort_all(streams)
+        yield sse("[DONE]")
+
+
+async def _last(stream: RequestStream) -> RequestOutput:
+    last = None
+    async for out in stream:
+        last = out
+    assert last is not None and last.finished
+    return last
+
+
+async def _wait_disconnect(raw_request: Request) -> None:
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's position."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            remaining -= item.finished
+            yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,160 @@
+"""A step's logits become tokens: one ``SamplingResult`` for the scheduler to apply.
+
+For every sequence that samples this step, in one batched call: ban EOS and stop tokens before
+``min_tokens``, apply penalties, sample, take logprobs (``Sampler``). The first sample of an n > 1
+request draws n tokens from its one row, one per sample index and generator; the scheduler forks
+the sequence when it applies them. Beam-search requests get their ``BeamStep`` instead.
+
+Nothing here changes a request or a sequence. One request's fault (NaN or inf logits, an
+exception while sampling it or deciding its beams) lands in ``failed`` and the others carry on:
+when the batched call raises, it is retried request by request to find the culprit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Set
+from dataclasses import dataclass, field
+
+import torch
+
+from prefixserve import beam_search
+from prefixserve.beam_search import BeamStep
+from prefixserve.sampler import Sampler, SamplerOutput, SamplingMetadata
+from prefixserve.sampling_params import SamplingParams
+from prefixserve.scheduler_output import ScheduledSeq
+from prefixserve.sequence import Request, Sequence
+
+
+@dataclass(slots=True)
+class SampledToken:
+    """A sampled token, its logprob and the top logprobs (empty unless the request asked)."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]
+
+
+@dataclass
+class SamplingResult:
+    """``tokens``: per sampling sequence, its sampled token (n tokens for a first sample that
+    forks). ``beams``: per beam-search request, its step. ``failed``: requests to end with an
+    error, and why."""
+
+    tokens: list[tuple[ScheduledSeq, list[SampledToken]]] = field(default_factory=list)
+    beams: list[tuple[Request, BeamStep]] = field(default_factory=list)
+    failed: list[tuple[Request, str]] = field(default_factory=list)
+
+
+# (scheduled sequence, row of the step's logits, sample index): one sampled token each
+_Row = tuple[ScheduledSeq, int, int]
+
+
+class SamplingStep:
+    def __init__(self, sampler: Sampler, eos_token_ids: Set[int]) -> None:
+        self.sampler = sampler
+        self.eos_token_ids = eos_token_ids
+
+    def sample(self, samplers: list[ScheduledSeq], logits: torch.Tensor) -> SamplingResult:
+        """``logits[i]`` belongs to ``samplers[i]``."""
+        result = SamplingResult()
+        rows: list[_Row] = []
+        beam_rows: dict[str, list[int]] = {}
+        for i, sched in enumerate(samplers):
+            request = sched.request
+            if request.is_beam_search:
+                beam_rows.setdefault(request.request_id, []).append(i)
+            elif request.awaits_fork:
+                rows.extend((sched, i, j) for j in range(request.num_samples))
+            else:
+                rows.append((sched, i, sched.seq.index))
+        rows = self._drop_non_finite(rows, logits, result)
+        if rows:
+            self._sample_rows(rows, logits, result)
+        for indices in beam_rows.values():
+            self._decide_beams([samplers[i] for i in indices], logits[indices], result)
+        return result
+
+    @staticmethod
+    def _drop_non_finite(rows: list[_Row], logits: torch.Tensor, result: SamplingResult):
+        """Rows whose logits hold NaN or inf fail their request instead of poisoning sampling."""
+        finite = torch.isfinite(logits).all(dim=-1)
+        if bool(finite.all()):
+            return rows
+        bad = set((~finite).nonzero().flatten().tolist())
+        failed = {sched.request.request_id: sched.request for sched, i, _ in rows if i in bad}
+        result.failed.extend((r, "the model produced non-finite logits") for r in failed.values())
+        return [row for row in rows if row[0].request.request_id not in failed]
+
+    def _sample_rows(self, rows: list[_Row], logits: torch.Tensor, result: SamplingResult) -> None:
+        try:
+            self._collect(rows, self._sample(rows, logits), result)
+        except Exception:
+            by_request: dict[str, list[_Row]] = {}
+            for row in rows:
+                by_request.setdefault(row[0].request.request_id, []).append(row)
+            for group in by_request.values():
+                try:
+                    self._collect(group, self._sample(group, logits), result)
+                except Exception as exc:
+                    result.failed.append((group[0][0].request, describe_error(exc, "sampling")))
+
+    def _sample(self, rows: list[_Row], logits: torch.Tensor) -> SamplerOutput:
+        params = [sched.request.params for sched, _, _ in rows]
+        seqs = [sched.seq for sched, _, _ in rows]
+        indices = [i for _, i, _ in rows]
+        if indices != list(range(logits.shape[0])):  # else every row, in order: no copy
+            logits = logits.index_select(0, torch.tensor(indices, device=logits.device))
+        generators = {}
+        for j, (sched, _, sample) in enumerate(rows):
+            if sched.request.generators is not None:
+                generators[j] = sched.request.generators[sample]
+        metadata = SamplingMetadata.from_params(
+            params,
+            output_token_ids=[s.output_token_ids for s in seqs],
+            prompt_token_ids=[sched.request.prompt_token_ids for sched, _, _ in rows],
+            generators=generators,
+            banned_token_ids=[self._banned_tokens(p, s) for p, s in zip(params, seqs)],
+            device=logits.device,
+        )
+        return self.sampler(logits, metadata)
+
+    def _banned_tokens(self, params: SamplingParams, seq: Sequence) -> list[int]:
+        """EOS and stop token ids may not be sampled before ``min_tokens``."""
+        if seq.num_output_tokens >= params.min_tokens:
+            return []
+        banned = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            banned.extend(self.eos_token_ids)
+        return banned
+
+    @staticmethod
+    def _collect(rows: list[_Row], out: SamplerOutput, result: SamplingResult) -> None:
+        token_ids = out.sampled_token_ids.tolist()
+        logprobs = out.sampled_logprobs.tolist()
+        topk_ids = out.topk_token_ids.tolist() if out.topk_token_ids is not None else None
+        topk_lps = out.topk_logprobs.tolist() if out.topk_logprobs is not None else None
+        last: ScheduledSeq | None = None
+        for j, (sched, _, _) in enumerate(rows):
+            k = sched.request.params.logprobs
+            top = list(zip(topk_ids[j][:k], topk_lps[j][:k])) if k and topk_ids else []
+            token = SampledToken(token_ids[j], logprobs[j], top)
+            if sched is last:  # the next sample of a forking row
+                result.tokens[-1][1].append(token)
+            else:
+                result.tokens.append((sched, [token]))
+            last = sched
+
+    def _decide_beams(
+        self, scheds: list[ScheduledSeq], logits: torch.Tensor, result: SamplingResult
+    ) -> None:
+        request = scheds[0].request
+        try:
+            step = beam_search.decide(request, [s.seq for s in scheds], logits, self.eos_token_ids)
+        except Exception as exc:
+            result.failed.append((request, describe_error(exc, "beam search")))
+            return
+        result.beams.append((request, step))
+
+
+def describe_error(exc: Exception, stage: str) -> str:
+    return f"internal error in {stage}: {type(exc).__name__}: {exc}"
