@@ -7,6 +7,7 @@ Threads and ownership::
     abort() --> _pending aborts ------------>   engine.abort_request (between steps)
     RequestStream.queue  <-- call_soon_threadsafe --  engine.step() outputs, one batch per step
     snapshot() <------------- the engine's latest ``EngineStats``, published every step
+    compile_grammar() ------> the engine's thread-safe grammar compiler (its own thread pool)
 
 Invariants: only the engine thread touches the engine; handlers never block on it (they await
 their stream's queue); every stream receives exactly one terminal item (a finished output, an
@@ -34,6 +35,7 @@ from prefixserve.api.protocol import APIError
 from prefixserve.engine import EngineStats, LLMEngine
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import BeamSearchParams, SamplingParams
+from prefixserve.structured_outputs.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +127,7 @@ class AsyncEngine:
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.tokenizer
+        self.eos_token_ids = engine.eos_token_ids
         self.observer = observer
         self.on_death = on_death
         self.dead: BaseException | None = None
@@ -205,6 +208,13 @@ class AsyncEngine:
         with self._cond:
             self._fail_all = error
             self._cond.notify()
+
+    async def compile_grammar(self, params: StructuredOutputsParams) -> None:
+        """Compile a request's grammar off the event loop; raises ``InvalidArgumentError`` if it
+        cannot be compiled. The result stays cached, so the engine's own submit is a hit. (The
+        engine's ``StructuredOutputManager`` is thread-safe: the one part of the engine that
+        handlers may call.)"""
+        await asyncio.wrap_future(self.engine.structured_outputs.submit(params))
 
     def snapshot(self) -> EngineStats:
         with self._cond:

@@ -13,12 +13,18 @@ from collections import deque
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from prefixserve.engine import EngineStats
 from prefixserve.outputs import RequestOutput
 
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "tool_calls")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 RECENT_TTFT = 64
@@ -80,6 +86,35 @@ class _EngineCollector(Collector):
         yield counter("prefixserve_num_preemptions", "Preemptions (recompute).", s.num_preemptions)
         yield counter("prefixserve_prompt_tokens", "Prompt tokens received.", s.prompt_tokens)
         yield counter("prefixserve_generation_tokens", "Tokens generated.", s.generation_tokens)
+        yield from self._structured_outputs()
+
+    def _structured_outputs(self) -> Iterator[Metric]:
+        so, label = self.stats.structured_outputs, self.model_name
+        kinds = CounterMetricFamily(
+            "prefixserve_structured_output_requests",
+            "Requests with a constrained output, by kind.",
+            labels=["model_name", "kind"],
+        )
+        for kind in STRUCTURED_OUTPUT_KINDS:
+            kinds.add_metric([label, kind], so["requests"].get(kind, 0))
+        yield kinds
+        histogram = so["compile_seconds"]
+        compile_seconds = HistogramMetricFamily(
+            "prefixserve_grammar_compile_seconds",
+            "Time to compile a grammar (cache misses only).",
+            labels=["model_name"],
+        )
+        buckets = [("+Inf" if le == float("inf") else str(le), n) for le, n in histogram["buckets"]]
+        compile_seconds.add_metric([label], buckets, histogram["sum"])
+        yield compile_seconds
+        for name, doc, key in (
+            ("prefixserve_grammar_compiles", "Grammars compiled.", "num_compiles"),
+            ("prefixserve_grammar_cache_hits", "Grammar requests served by the compile cache.",
+             "num_cache_hits"),
+        ):  # fmt: skip
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([label], so[key])
+            yield family
 
 
 class ServerMetrics:

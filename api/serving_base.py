@@ -25,6 +25,7 @@ from prefixserve.api.protocol import APIError, PromptTokensDetails, Usage
 from prefixserve.errors import CacheCapacityError, InvalidArgumentError
 from prefixserve.outputs import CompletionOutput, RequestOutput
 from prefixserve.sampling_params import BeamSearchParams, SamplingParams
+from prefixserve.structured_outputs.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +124,21 @@ class BaseServing:
             text = self._token_text[token_id] = self.engine.tokenizer.decode([token_id])
         return text
 
-    def make_params(self, req, max_tokens: int | None, logprobs: int | None):
+    async def check_grammar(self, params: StructuredOutputsParams, source: str) -> None:
+        """A 400 naming ``source`` (the request field) when the grammar cannot be compiled."""
+        try:
+            await self.engine.compile_grammar(params)
+        except InvalidArgumentError as exc:
+            param = source if exc.param == "structured_outputs" else exc.param
+            raise APIError(str(exc), 400, param) from exc
+
+    def make_params(
+        self,
+        req,
+        max_tokens: int | None,
+        logprobs: int | None,
+        structured_outputs: StructuredOutputsParams | None = None,
+    ):
         """Engine parameters of a request (the engine checks them against the context)."""
         if self.require_cache_salt and not req.cache_salt:
             raise APIError(
@@ -141,6 +156,7 @@ class BaseServing:
                     ignore_eos=req.ignore_eos,
                     cache_salt=req.cache_salt,
                     stop_token_ids=list(req.stop_token_ids or []),
+                    structured_outputs=structured_outputs,
                 )
             return SamplingParams(
                 n=req.n,
@@ -161,6 +177,7 @@ class BaseServing:
                 cache_salt=req.cache_salt,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                structured_outputs=structured_outputs,
             )
         except InvalidArgumentError as exc:
             raise APIError(str(exc), 400, exc.param) from exc

@@ -1,14 +1,20 @@
-"""POST /v1/chat/completions: chat template (with tools), sampling, streaming, hermes tool calls.
+"""POST /v1/chat/completions: chat template (with tools), sampling, streaming, tool calls.
 
-With a tool parser and tools in the request (tool_choice "auto"), special tokens are kept in the
-output text so that ``<tool_call>`` tags survive detokenization; the trailing EOS text is removed
-before parsing. Invariant: the streamed content and tool calls of a choice, concatenated, equal
-the non-streamed message for the same output (content up to surrounding whitespace).
+Tool calls (``ToolMode``): with ``tool_choice`` "auto" and ``--tool-call-parser hermes``, the
+model may write ``<tool_call>`` blocks, parsed from its text. With "required" or a named function,
+a grammar forces the calls in the template's own syntax (``structured_outputs.tool_calls``) with
+arguments that match each tool's ``parameters``, so they always come back as ``tool_calls``,
+whatever the parser setting; streamed as OpenAI does (name first, then argument fragments).
+In tool modes special tokens are kept in the text so tags survive detokenization; the trailing
+EOS text is removed before parsing. Invariant: the streamed content and tool calls of a choice,
+concatenated, equal the non-streamed message for the same output (content up to surrounding
+whitespace).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 from collections.abc import Iterator
 
 from fastapi import Request
@@ -28,9 +34,18 @@ from prefixserve.api.serving_base import (
     chunk_event,
     usage_of,
 )
-from prefixserve.api.tool_parsers import HermesStreamParser, parse_tool_calls
+from prefixserve.api.structured_outputs import structured_outputs_of
+from prefixserve.api.tool_parsers import (
+    ForcedToolCallDeltas,
+    HermesStreamParser,
+    parse_forced_tool_calls,
+    parse_tool_calls,
+)
 
+from prefixserve.errors import InvalidArgumentError
 from prefixserve.outputs import CompletionOutput, RequestOutput
+from prefixserve.structured_outputs.params import StructuredOutputsParams
+from prefixserve.structured_outputs.tool_calls import tool_call_params
 
 
 def render_chat(
@@ -61,58 +76,114 @@ class ChatServing(BaseServing):
     ) -> None:
         super().__init__(engine, served_model_names, **options)
         self.tool_parser = tool_parser
-        self.eos_text = engine.tokenizer.eos_token or ""
+        texts = {engine.tokenizer.decode([t]) for t in engine.eos_token_ids} - {""}
+        self.eos_texts = tuple(sorted(texts, key=len, reverse=True))
 
-    def _use_tools(self, req: ChatCompletionRequest) -> tuple[list[dict] | None, bool]:
-        """(tools for the template, whether to parse tool calls)."""
-        if not req.tools or req.tool_choice == "none":
-            return None, False
-        if req.tool_choice not in (None, "auto"):
-            raise APIError("tool_choice: only 'auto' and 'none' are supported", 400, "tool_choice")
+    def _tool_mode(self, req: ChatCompletionRequest) -> tuple[list[dict] | None, ToolMode]:
+        """(tools for the template, how tool calls come out)."""
+        choice = req.tool_choice
+        named = isinstance(choice, dict)
+        if choice not in (None, "none", "auto", "required") and not named:
+            raise APIError(
+                f"tool_choice: {choice!r} is not supported; use 'none', 'auto', 'required' or "
+                '{"type": "function", "function": {"name": ...}}',
+                400,
+                "tool_choice",
+            )
+        if not req.tools:
+            if choice in ("required",) or named:
+                raise APIError(f"tool_choice: {choice!r} needs tools", 400, "tool_choice")
+            return None, ToolMode.NONE
+        tools = [t.model_dump(exclude_none=True) for t in req.tools]
+        if choice == "none":  # the model still sees the tools (as vLLM), and calls none
+            return tools, ToolMode.NONE
+        if choice == "required":
+            return tools, ToolMode.REQUIRED
+        if named:
+            return tools, ToolMode.NAMED
         if self.tool_parser is None:
             raise APIError(
                 '"auto" tool choice requires the server to run with --tool-call-parser',
                 400,
                 "tool_choice",
             )
-        return [t.model_dump(exclude_none=True) for t in req.tools], True
+        return tools, ToolMode.AUTO
+
+    async def _structured_outputs(
+        self, req: ChatCompletionRequest, tools: list[dict] | None, mode: ToolMode
+    ) -> StructuredOutputsParams | None:
+        structured, source = structured_outputs_of(req)
+        if mode in (ToolMode.REQUIRED, ToolMode.NAMED):
+            if structured is not None:
+                raise APIError(
+                    f"{source}: cannot be combined with a forced tool_choice", 400, source
+                )
+            name = req.tool_choice["function"].get("name") if mode is ToolMode.NAMED else None
+            try:
+                structured = tool_call_params(tools or [], name, req.parallel_tool_calls)
+            except InvalidArgumentError as exc:
+                raise APIError(str(exc), 400, exc.param) from exc
+            source = "tool_choice"
+        if structured is not None:
+            await self.check_grammar(structured, source)
+        return structured
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request):
         model = self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs: requires logprobs=true", 400, "top_logprobs")
-        tools, parse = self._use_tools(req)
+        if isinstance(req.tool_choice, dict) and not isinstance(
+            (req.tool_choice.get("function") or {}).get("name"), str
+        ):
+            raise APIError(
+                'tool_choice: a named choice is {"type": "function", "function": {"name": ...}}',
+                400,
+                "tool_choice",
+            )
+        tools, mode = self._tool_mode(req)
+        structured = await self._structured_outputs(req, tools, mode)
         prompt = await asyncio.to_thread(
             render_chat, self.engine.tokenizer, req.messages, tools, req.add_generation_prompt
         )
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.make_params(req, req.max_completion_tokens or req.max_tokens, logprobs)
-        if parse and hasattr(params, "skip_special_tokens"):
-            params.skip_special_tokens = False
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        params = self.make_params(req, max_tokens, logprobs, structured)
+        if mode is not ToolMode.NONE and hasattr(params, "skip_special_tokens"):
+            params.skip_special_tokens = False  # tool-call tags may be special tokens
         request_id = random_id("chatcmpl-")
         streams = await self.add_all(request_id, [prompt], [params], "messages")
         if req.stream:
-            return self._stream(req, request_id, model, streams, parse)
+            return self._stream(req, request_id, model, streams, mode)
         final = (await self.collect(raw_request, streams))[0]
-        choices = [self._choice(req, c, parse) for c in final.outputs]
+        choices = [self._choice(req, c, mode) for c in final.outputs]
         return ChatCompletionResponse(
             id=request_id, model=model, choices=choices, usage=usage_of([final])
         )
 
-    def _visible_text(self, c: CompletionOutput, parse: bool) -> str:
-        if parse and c.finish_reason == "stop" and self.eos_text and c.text.endswith(self.eos_text):
-            return c.text[: -len(self.eos_text)]
+    def _visible_text(self, c: CompletionOutput, mode: ToolMode) -> str:
+        """The output text, less the EOS text that tool modes keep (special tokens shown)."""
+        if mode is not ToolMode.NONE and c.finish_reason == "stop":
+            for eos in self.eos_texts:
+                if c.text.endswith(eos):
+                    return c.text[: -len(eos)]
         return c.text
 
-    def _choice(self, req: ChatCompletionRequest, c: CompletionOutput, parse: bool) -> ChatChoice:
-        text = self._visible_text(c, parse)
-        content, calls = parse_tool_calls(text) if parse else (text, [])
+    def _choice(
+        self, req: ChatCompletionRequest, c: CompletionOutput, mode: ToolMode
+    ) -> ChatChoice:
+        text = self._visible_text(c, mode)
+        if mode is ToolMode.AUTO:
+            content, calls = parse_tool_calls(text)
+        elif mode in (ToolMode.REQUIRED, ToolMode.NAMED):
+            content, calls = parse_forced_tool_calls(text)
+        else:
+            content, calls = text, []
         lps = self._logprobs(req, c.logprobs, c.token_ids) if c.logprobs is not None else None
         return ChatChoice(
             index=c.index,
             message=ChatMessage(content=content, tool_calls=calls),
             logprobs=lps,
-            finish_reason="tool_calls" if calls else c.finish_reason,
+            finish_reason=_finish_reason(c.finish_reason, mode, bool(calls)),
             stop_reason=c.stop_reason,
         )
 
@@ -133,10 +204,13 @@ class ChatServing(BaseServing):
             )
         return {"content": content}
 
-    def _stream(self, req, request_id: str, model: str, streams, parse: bool):
+    def _stream(self, req, request_id: str, model: str, streams, mode: ToolMode):
         base = {"id": request_id, "object": "chat.completion.chunk", "model": model}
         tracker = DeltaTracker()
-        parsers = {i: HermesStreamParser() for i in range(req.n)}
+        forced = mode in (ToolMode.REQUIRED, ToolMode.NAMED)
+        parsers = {
+            i: ForcedToolCallDeltas() if forced else HermesStreamParser() for i in range(req.n)
+        }
 
         def chunk(index: int, delta: dict, logprobs=None, finish_reason=None, **extra) -> str:
             choice = {"index": index, "delta": delta, "logprobs": logprobs,
@@ -144,9 +218,12 @@ class ChatServing(BaseServing):
             return chunk_event(base, [choice])
 
         def message_delta(d: ChoiceDelta) -> dict:
-            if not parse:
+            if mode is ToolMode.NONE:
                 return {"content": d.text} if d.text else {}
             parser = parsers[d.index]
+            if forced:
+                calls = parser.feed(d.text)
+                return {"tool_calls": calls} if calls else {}
             content, calls = parser.feed(d.text, final=d.finish_reason is not None)
             delta: dict = {"content": content} if content else {}
             if calls:
@@ -160,7 +237,7 @@ class ChatServing(BaseServing):
             if req.use_beam_search and not out.finished:
                 return
             for c in out.outputs:
-                d = tracker.delta(c.index, c, self._visible_text(c, parse))
+                d = tracker.delta(c.index, c, self._visible_text(c, mode))
                 if d is None:
                     continue
                 delta = message_delta(d)
@@ -170,8 +247,8 @@ class ChatServing(BaseServing):
                     else None
                 )
                 reason = d.finish_reason
-                if reason is not None and parsers[d.index].calls:
-                    reason = "tool_calls"
+                if reason is not None:
+                    reason = _finish_reason(reason, mode, parsers[d.index].has_calls)
                 if delta or lps or reason:
                     extra = {"stop_reason": d.stop_reason} if reason else {}
                     yield chunk(d.index, delta, lps, reason, **extra)
@@ -179,3 +256,22 @@ class ChatServing(BaseServing):
         roles = [chunk(i, {"role": "assistant", "content": ""}) for i in range(req.n)]
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return self.stream(streams, base, events, include_usage, first_events=roles)
+
+
+class ToolMode(enum.Enum):
+    """How a chat request's tool calls come out: none; parsed from free text when the model
+    chooses to call (``auto``); forced by a grammar, any listed function (``required``) or one
+    named function."""
+
+    NONE = "none"
+    AUTO = "auto"
+    REQUIRED = "required"
+    NAMED = "named"
+
+
+def _finish_reason(reason: str | None, mode: ToolMode, called: bool) -> str | None:
+    """OpenAI's: "tool_calls" when the model chose to call (auto) or had to call any function
+    (required) and stopped; a call of a named function ends with "stop"."""
+    if reason == "stop" and called and mode in (ToolMode.AUTO, ToolMode.REQUIRED):
+        return "tool_calls"
+    return reason

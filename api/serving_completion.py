@@ -18,6 +18,7 @@ from prefixserve.api.protocol import (
     random_id,
 )
 from prefixserve.api.serving_base import BaseServing, DeltaTracker, chunk_event, usage_of
+from prefixserve.api.structured_outputs import structured_outputs_of
 
 from prefixserve.outputs import RequestOutput
 
@@ -26,7 +27,10 @@ class CompletionServing(BaseServing):
     async def create(self, req: CompletionRequest, raw_request: Request):
         model = self.check_model(req.model)
         prompts = await asyncio.to_thread(self._prompt_ids, req.prompt)
-        params = [self.make_params(req, req.max_tokens, req.logprobs) for _ in prompts]
+        structured, source = structured_outputs_of(req)
+        if structured is not None:
+            await self.check_grammar(structured, source)
+        params = [self.make_params(req, req.max_tokens, req.logprobs, structured) for _ in prompts]
         request_id = random_id("cmpl-")
         streams = await self.add_all(request_id, prompts, params, "prompt")
         if req.stream:

@@ -1,9 +1,15 @@
-"""Hermes tool calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in the output.
+"""Tool calls in the output: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
 
-``parse_tool_calls`` reads a finished text; ``HermesStreamParser`` reads it in pieces and emits
-content deltas and whole tool calls. Invariant of the stream parser: the concatenation of emitted
-content equals the text outside the tool-call tags, and every call is emitted once, in order, as
-soon as its closing tag arrives. Text that could still begin ``<tool_call>`` is held back.
+Free text (``tool_choice`` "auto", hermes): ``parse_tool_calls`` reads a finished text;
+``HermesStreamParser`` reads it in pieces and emits content deltas and whole tool calls.
+Invariant of the stream parser: the concatenation of emitted content equals the text outside the
+tool-call tags, and every call is emitted once, in order, as soon as its closing tag arrives.
+Text that could still begin ``<tool_call>`` is held back.
+
+Forced calls (``tool_choice`` "required" or named; the grammar fixed their shape):
+``parse_forced_tool_calls`` and ``ForcedToolCallDeltas``, which streams OpenAI's deltas: a call's
+id and name first, then fragments of its raw ``arguments`` text (never re-serialized, so the
+client sends back exactly what was generated and the next turn hits the prefix cache).
 """
 
 from __future__ import annotations
@@ -12,7 +18,9 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from prefixserve.api.protocol import FunctionCall, ToolCall
+from prefixserve.api.protocol import FunctionCall, ToolCall, random_id
+
+from prefixserve.structured_outputs import tool_calls as forced
 
 START, END = "<tool_call>", "</tool_call>"
 _CALL_RE = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|$)", re.DOTALL)
@@ -47,6 +55,10 @@ class HermesStreamParser:
     buffer: str = ""
     in_call: bool = False
     calls: list[ToolCall] = field(default_factory=list)
+
+    @property
+    def has_calls(self) -> bool:
+        return bool(self.calls)
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[ToolCall]]:
         self.buffer += delta
@@ -91,3 +103,29 @@ def _partial_tag_len(text: str) -> int:
         if START.startswith(text[-n:]):
             return n
     return 0
+
+
+def parse_forced_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """(text left after the complete calls, or None; the calls) of grammar-forced output."""
+    calls, end = forced.parse_tool_calls(text)
+    tool_calls = [ToolCall(function=FunctionCall(name=n, arguments=a)) for n, a in calls]
+    return text[end:] or None, tool_calls
+
+
+class ForcedToolCallDeltas:
+    """Feed text deltas of forced output; get OpenAI ``delta.tool_calls`` entries."""
+
+    def __init__(self) -> None:
+        self._stream = forced.ToolCallStream()
+        self.has_calls = False
+
+    def feed(self, text: str) -> list[dict]:
+        out: list[dict] = []
+        for kind, index, value in self._stream.feed(text):
+            if kind == "name":
+                self.has_calls = True
+                out.append({"index": index, "id": random_id("call_"), "type": "function",
+                            "function": {"name": value, "arguments": ""}})  # fmt: skip
+            else:
+                out.append({"index": index, "function": {"arguments": value}})
+        return out

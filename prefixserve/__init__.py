@@ -2,6 +2,7 @@
 
 from prefixserve.outputs import CompletionOutput, RequestOutput
 from prefixserve.sampling_params import BeamSearchParams, SamplingParams
+from prefixserve.structured_outputs.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -12,6 +13,7 @@ __all__ = [
     "LLMEngine",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]
 
 

@@ -54,6 +54,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument(
+        "--no-enable-jump-forward",
+        dest="enable_jump_forward",
+        action="store_false",
+        help="structured outputs: sample the text a grammar forces token by token",
+    )
     p.add_argument("--scheduling-policy", choices=["fcfs", "prefix"], default="fcfs")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
@@ -72,6 +78,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
+        enable_jump_forward=args.enable_jump_forward,
         scheduling_policy=args.scheduling_policy,
         device=args.device,
         dtype=args.dtype,

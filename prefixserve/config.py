@@ -19,7 +19,8 @@ class EngineConfig:
     KV budget: ``num_kv_blocks`` when given, else ``kv_cache_memory_gb`` (default: 1 GiB on CPU,
     90% of free memory after loading the model on CUDA). ``max_model_len`` defaults to the model's
     ``max_position_embeddings``. ``max_num_batched_tokens`` is the per-step token budget that
-    prefill chunks and decode tokens share.
+    prefill chunks and decode tokens share. ``enable_jump_forward``: under a grammar, append
+    the text it forces (JSON keys, a forced tool call's name) without sampling it token by token.
     """
 
     model: str | None = None
@@ -33,6 +34,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    enable_jump_forward: bool = True
     scheduling_policy: str = "fcfs"
     device: str = "auto"
     dtype: str = "auto"

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -37,6 +39,8 @@ from prefixserve.sampling_step import SamplingStep
 from prefixserve.scheduler import KVUsage, Scheduler
 from prefixserve.sequence import Request, Sequence
 from prefixserve.stop_checker import StopChecker
+from prefixserve.structured_outputs.manager import StructuredOutputManager
+from prefixserve.structured_outputs.request import StructuredOutputRequest
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +75,8 @@ class EngineStats:
     num_steps: int
     kv_cache: dict[str, int | float]
     step_times: StepTimes
+    # requests by kind ("json", "regex", ...), compiles, cache hits, the compile-time histogram
+    structured_outputs: dict[str, Any]
 
 
 class LLMEngine:
@@ -91,7 +97,11 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
         )
         self.scheduler = Scheduler(config, kv_cache_manager, StopChecker(self.eos_token_ids))
-        self.sampling_step = SamplingStep(Sampler(), self.eos_token_ids)
+        self.structured_outputs = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
+        )
+        self._structured_requests: Counter[str] = Counter()
+        self.sampling_step = SamplingStep(Sampler(), self.eos_token_ids, self.structured_outputs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.step_times = StepTimes()
         self.num_steps = 0
@@ -134,8 +144,11 @@ class LLMEngine:
             max_total_tokens=max_total,
             seqs=[self._prompt_sequence(token_ids, params)],
             generators=self._generators(params),
+            structured_output=self._structured_output(params),
         )
         self.scheduler.add_request(request)
+        if request.structured_output is not None:
+            self._structured_requests[request.structured_output.params.kind] += 1
         return request
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -230,6 +243,16 @@ class LLMEngine:
             generators.append(generator)
         return generators
 
+    def _structured_output(
+        self, params: SamplingParams | BeamSearchParams
+    ) -> StructuredOutputRequest | None:
+        """Start compiling the request's grammar (off this thread; cached by spec)."""
+        so = params.structured_outputs
+        if so is None:
+            return None
+        manager = self.structured_outputs
+        return StructuredOutputRequest(so, manager.submit(so), manager.new_grammar)
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output, None if unknown."""
         request = self.scheduler.abort_request(request_id)
@@ -275,6 +298,10 @@ class LLMEngine:
             num_steps=self.num_steps,
             kv_cache=s.kv_cache,
             step_times=replace(self.step_times),
+            structured_outputs={
+                "requests": dict(self._structured_requests),
+                **self.structured_outputs.stats(),
+            },
         )
 
     def kv_usage(self) -> KVUsage:

@@ -88,6 +88,9 @@ class LLM:
 
     def _run(self, prompts: list[PromptType], params: list, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
+        for p in params:  # a grammar that cannot compile raises here, before anything is queued
+            if p.structured_outputs is not None:
+                engine.structured_outputs.validate(p.structured_outputs)
         ids = []
         try:
             for prompt, p in zip(prompts, params):

@@ -97,8 +97,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: block copies, then one forward over the batch."""
+        """Run one step: block copies, then one forward over the batch (none if nothing runs)."""
         t0 = time.perf_counter()
+        if not out.scheduled:
+            return ModelRunnerOutput([], torch.empty(0, self.model_config.vocab_size), 0.0, 0.0)
         if out.block_copies:
             src, dst = zip(*out.block_copies)
             self.attn_backend.copy_blocks(

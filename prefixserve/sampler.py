@@ -4,9 +4,9 @@ Order of processing, per row::
 
     raw logits ──> logprobs (log_softmax of the raw logits: what the model said)
         │
-        └─> banned tokens -> penalties ─┬─ greedy rows: argmax
-                                        └─ random rows: temperature -> top-k -> top-p -> min-p
-                                                        -> exponential race: argmax(probs / q)
+        └─> grammar bitmask -> banned tokens -> penalties ─┬─ greedy rows: argmax
+                                                           └─ random rows: temperature -> top-k
+                                             -> top-p -> min-p -> exponential race: argmax(probs / q)
 
 The exponential race picks token ``i`` with probability ``probs[i]`` when ``q ~ Exp(1)`` i.i.d.
 A row with its own ``torch.Generator`` (a seeded request) draws its ``q`` from it alone, so a seed
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixserve.sampling_params import SamplingParams
+from prefixserve.structured_outputs.grammar import apply_bitmask
 
 # Top-p ranks this many candidates before it falls back to sorting the whole vocab.
 _TOP_P_CANDIDATES = 1024
@@ -33,6 +34,8 @@ class SamplingMetadata:
     ``temperature`` is 0 exactly for greedy rows; ``top_k`` 0 means disabled. ``generators`` maps a
     row index to that sequence's own generator. ``banned_token_ids`` lists, per row, tokens masked
     to -inf (EOS and stop token ids while a sequence is shorter than its ``min_tokens``).
+    ``token_bitmask`` (structured outputs) holds, for the rows in ``bitmask_rows``, the tokens
+    their grammar allows (xgrammar's packed int32 layout); the others are masked first of all.
     """
 
     temperature: torch.Tensor
@@ -48,6 +51,8 @@ class SamplingMetadata:
     max_num_logprobs: int | None
     all_greedy: bool
     banned_token_ids: list[list[int]] | None
+    token_bitmask: torch.Tensor | None = None
+    bitmask_rows: list[int] | None = None
 
     @classmethod
     def from_params(
@@ -239,7 +244,12 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
-        processed = process_logits(logits, metadata) if metadata.needs_processing else logits
+        processed = logits
+        if metadata.token_bitmask is not None:  # on a copy: logprobs come from the raw logits
+            processed = logits.clone()
+            apply_bitmask(processed, metadata.token_bitmask, metadata.bitmask_rows)
+        if metadata.needs_processing:
+            processed = process_logits(processed, metadata)
         sampled = processed.argmax(dim=-1)
         if not metadata.all_greedy:
             random = metadata.temperature > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from prefixserve.errors import require
+from prefixserve.structured_outputs.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 """Most top logprobs one generated token may return (``logprobs``, ``top_logprobs``)."""
@@ -17,7 +18,8 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``top_k == 0`` (or -1) and ``top_p == 1`` disable those
     filters. ``logprobs=k`` returns, for each generated token, a dict holding the sampled token and
     the k most likely tokens. ``cache_salt`` isolates this request's KV blocks from requests with a
-    different salt (tenant isolation).
+    different salt (tenant isolation). ``structured_outputs`` constrains the output to a JSON
+    schema, regex, choice or grammar (every token sampled is one the grammar allows).
     """
 
     n: int = 1
@@ -38,6 +40,7 @@ class SamplingParams:
     cache_salt: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,6 +52,7 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        _check_structured_outputs(self.structured_outputs)
         require(
             isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}"
         )
@@ -137,8 +141,10 @@ class BeamSearchParams:
     temperature: float = 0.0
     cache_salt: str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        _check_structured_outputs(self.structured_outputs)
         require(
             isinstance(self.beam_width, int) and self.beam_width >= 1,
             "beam_width",
@@ -150,3 +156,11 @@ class BeamSearchParams:
             f"must be an integer >= 1 or None, got {self.max_tokens!r}",
         )
         require(self.temperature == 0.0, "temperature", "beam search is deterministic; use 0")
+
+
+def _check_structured_outputs(value: object) -> None:
+    require(
+        value is None or isinstance(value, StructuredOutputsParams),
+        "structured_outputs",
+        f"must be a StructuredOutputsParams or None, got {type(value).__name__}",
+    )

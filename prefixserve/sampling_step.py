@@ -1,9 +1,11 @@
 """A step's logits become tokens: one ``SamplingResult`` for the scheduler to apply.
 
-For every sequence that samples this step, in one batched call: ban EOS and stop tokens before
-``min_tokens``, apply penalties, sample, take logprobs (``Sampler``). The first sample of an n > 1
-request draws n tokens from its one row, one per sample index and generator; the scheduler forks
-the sequence when it applies them. Beam-search requests get their ``BeamStep`` instead.
+For every sequence that samples this step, in one batched call: mask what its grammar forbids
+(structured outputs: one bitmask row per constrained sequence, filled in one batched call), ban
+EOS and stop tokens before ``min_tokens``, apply penalties, sample, take logprobs (``Sampler``).
+The first sample of an n > 1 request draws n tokens from its one row, one per sample index and
+generator; the scheduler forks the sequence when it applies them. Beam-search requests get their
+``BeamStep`` instead, scored over the tokens their beams' grammars allow.
 
 Nothing here changes a request or a sequence. One request's fault (NaN or inf logits, an
 exception while sampling it or deciding its beams) lands in ``failed`` and the others carry on:
@@ -23,6 +25,8 @@ from prefixserve.sampler import Sampler, SamplerOutput, SamplingMetadata
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.scheduler_output import ScheduledSeq
 from prefixserve.sequence import Request, Sequence
+from prefixserve.structured_outputs.grammar import allocate_bitmask, apply_bitmask
+from prefixserve.structured_outputs.manager import StructuredOutputManager
 
 
 @dataclass(slots=True)
@@ -50,9 +54,15 @@ _Row = tuple[ScheduledSeq, int, int]
 
 
 class SamplingStep:
-    def __init__(self, sampler: Sampler, eos_token_ids: Set[int]) -> None:
+    def __init__(
+        self,
+        sampler: Sampler,
+        eos_token_ids: Set[int],
+        structured_outputs: StructuredOutputManager,
+    ) -> None:
         self.sampler = sampler
         self.eos_token_ids = eos_token_ids
+        self.structured_outputs = structured_outputs
 
     def sample(self, samplers: list[ScheduledSeq], logits: torch.Tensor) -> SamplingResult:
         """``logits[i]`` belongs to ``samplers[i]``."""
@@ -116,14 +126,24 @@ class SamplingStep:
             banned_token_ids=[self._banned_tokens(p, s) for p, s in zip(params, seqs)],
             device=logits.device,
         )
+        metadata.bitmask_rows = [j for j, s in enumerate(seqs) if s.grammar is not None]
+        if metadata.bitmask_rows:
+            metadata.token_bitmask = self._bitmask(seqs, metadata.bitmask_rows, logits.shape[-1])
         return self.sampler(logits, metadata)
 
+    def _bitmask(self, seqs: list[Sequence], rows: list[int], vocab_size: int) -> torch.Tensor:
+        """Row ``j`` of ``rows``: what ``seqs[j]``'s grammar allows next (batched fill)."""
+        bitmask = allocate_bitmask(len(seqs), vocab_size)
+        self.structured_outputs.fill_bitmasks([seqs[j].grammar for j in rows], bitmask, rows)
+        return bitmask
+
     def _banned_tokens(self, params: SamplingParams, seq: Sequence) -> list[int]:
-        """EOS and stop token ids may not be sampled before ``min_tokens``."""
+        """EOS and stop token ids may not be sampled before ``min_tokens``; under a grammar,
+        which alone decides where the output may end, only the stop token ids."""
         if seq.num_output_tokens >= params.min_tokens:
             return []
         banned = list(params.stop_token_ids)
-        if not params.ignore_eos:
+        if not params.ignore_eos and seq.grammar is None:
             banned.extend(self.eos_token_ids)
         return banned
 
@@ -148,8 +168,12 @@ class SamplingStep:
         self, scheds: list[ScheduledSeq], logits: torch.Tensor, result: SamplingResult
     ) -> None:
         request = scheds[0].request
+        seqs = [s.seq for s in scheds]
         try:
-            step = beam_search.decide(request, [s.seq for s in scheds], logits, self.eos_token_ids)
+            rows = [j for j, s in enumerate(seqs) if s.grammar is not None]
+            if rows:  # ``logits`` is this request's own copy (gathered by row indices)
+                apply_bitmask(logits, self._bitmask(seqs, rows, logits.shape[-1]), rows)
+            step = beam_search.decide(request, seqs, logits, self.eos_token_ids)
         except Exception as exc:
             result.failed.append((request, describe_error(exc, "beam search")))
             return

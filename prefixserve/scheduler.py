@@ -204,8 +204,13 @@ class Scheduler:
         num_seqs = self.num_running_seqs()
         if self.config.scheduling_policy == "prefix":
             self._reorder_waiting_by_prefix()
+        compiling: list[Request] = []  # keep their place in line, let those behind them pass
         while self.waiting and budget > 0:
             request = self.waiting[0]
+            if not self._start_grammar(request, out):
+                if not request.is_finished:  # a finished one already left the queue
+                    compiling.append(self.waiting.popleft())
+                continue
             group = request.live_seqs()
             if num_seqs + max(len(group), request.num_samples) > self.config.max_num_seqs:
                 break
@@ -219,6 +224,29 @@ class Scheduler:
                 out.scheduled.append(sched)
                 budget -= sched.num_new_tokens
             num_seqs += len(group)
+        self.waiting.extendleft(reversed(compiling))
+
+    def _start_grammar(self, request: Request, out: SchedulerOutput) -> bool:
+        """Whether the request's grammar (if any) is ready: its first sequence gets its matcher
+        and the text the grammar forces first (prefilled with the prompt). A grammar still
+        compiling: False. One that failed to compile, or forced text that ends the output
+        (a stop string): False, and the request ends now (``out.finished``)."""
+        so, seq = request.structured_output, request.seqs[0]
+        if so is None or seq.grammar is not None:
+            return True
+        if not so.is_ready:
+            return False
+        try:
+            seq.grammar = so.new_grammar()
+            if self.config.enable_jump_forward and not request.is_beam_search:
+                self._jump_forward(request, seq)
+        except Exception as exc:
+            request.error = str(exc)
+        if request.error is not None or seq.is_finished:
+            self._finish_request(request, "abort" if request.error else None)
+            out.finished.append(request)
+            return False
+        return True
 
     def _admit(self, request: Request, budget: int) -> list[ScheduledSeq] | None:
         """Give every sequence of a waiting request its cached prefix and first chunk, or nothing.
@@ -302,16 +330,16 @@ class Scheduler:
             seq.num_computed_tokens += sched.num_new_tokens
             computed = min(seq.num_prompt_tokens, seq.num_computed_tokens) - start
             self.computed_prompt_tokens += max(0, computed)
-        touched: dict[str, Request] = {}
-        for sched, tokens in result.tokens:
-            request = touched[sched.request.request_id] = sched.request
+        touched: dict[str, Request] = {r.request_id: r for r in out.finished}
+        updates = [(sched.request, self._append_samples, sched.seq, tokens)
+                   for sched, tokens in result.tokens]  # fmt: skip
+        updates += [(request, self._apply_beam_step, step) for request, step in result.beams]
+        for request, apply, *args in updates:
+            touched[request.request_id] = request
             try:
-                self._append_samples(request, sched.seq, tokens)
+                apply(request, *args)
             except Exception as exc:
                 result.failed.append((request, describe_error(exc, "output processing")))
-        for request, step in result.beams:
-            touched[request.request_id] = request
-            self._apply_beam_step(request, step)
         for request, message in result.failed:
             touched[request.request_id] = request
             if not request.is_finished:
@@ -324,21 +352,48 @@ class Scheduler:
         return list(touched.values())
 
     def _append_samples(self, request: Request, seq: Sequence, tokens: list[SampledToken]) -> None:
-        """The sequence's sampled token; n tokens fork an n > 1 request's prompt sequence first."""
+        """The sequence's sampled token; n tokens fork an n > 1 request's prompt sequence first.
+        Then, under a grammar, the text it forces next (jump-forward)."""
         seqs = [seq] + [self._fork(request, seq) for _ in tokens[1:]]
         for s, token in zip(seqs, tokens):
-            self._append_token(request, s, token.token_id)
-            self.generation_tokens += 1
-            s.cumulative_logprob += token.logprob
-            if s.logprobs is not None:
-                entry = {token.token_id: token.logprob}
-                for tid, lp in token.top_logprobs:
-                    entry.setdefault(tid, lp)
-                s.logprobs.append(entry)
-            reason = self.stop_checker.check(request, s, token.token_id)
-            if reason is not None:
-                s.finish_reason, s.stop_reason = reason
-                self.kv.free(s.seq_id)
+            self._append_output(request, s, token.token_id, token.logprob, token.top_logprobs)
+            if self.config.enable_jump_forward and s.grammar is not None:
+                self._jump_forward(request, s)
+
+    def _append_output(
+        self,
+        request: Request,
+        seq: Sequence,
+        token_id: int,
+        logprob: float,
+        top_logprobs: list[tuple[int, float]],
+    ) -> None:
+        """One generated token: append and hash, advance the grammar, record logprobs, check the
+        stops; a sequence that ends is freed at once."""
+        self._append_token(request, seq, token_id)
+        self.generation_tokens += 1
+        seq.cumulative_logprob += logprob
+        if seq.logprobs is not None:
+            entry = {token_id: logprob}
+            for tid, lp in top_logprobs:
+                entry.setdefault(tid, lp)
+            seq.logprobs.append(entry)
+        reason = self.stop_checker.check(request, seq, token_id)
+        if reason is not None:
+            seq.finish_reason, seq.stop_reason = reason
+            self.kv.free(seq.seq_id)
+
+    def _jump_forward(self, request: Request, seq: Sequence) -> None:
+        """Append the tokens the grammar forces next, as if sampled (the next step runs them as
+        one prefill chunk). Not for sequences that return logprobs (forced tokens have none);
+        at least one token is left to sample before the length limit."""
+        if seq.is_finished or seq.logprobs is not None:
+            return
+        room = request.max_total_tokens - seq.num_tokens - 1
+        for token_id in seq.grammar.jump_forward_tokens()[: max(room, 0)]:
+            self._append_output(request, seq, token_id, 0.0, [])
+            if seq.is_finished:
+                return
 
     def _apply_beam_step(self, request: Request, step: BeamStep) -> None:
         """Fork beams chosen more than once, free those not chosen, append each beam's token."""
@@ -377,6 +432,9 @@ class Scheduler:
         return child
 
     def _append_token(self, request: Request, seq: Sequence, token_id: int) -> None:
+        """Append, hash the blocks it fills, and advance the sequence's grammar (if any)."""
+        if seq.grammar is not None and not seq.grammar.accept_token(token_id):
+            raise RuntimeError(f"token {token_id} was sampled, but its grammar does not allow it")
         seq.token_ids.append(token_id)
         self._hash_new_blocks(request, seq)
 

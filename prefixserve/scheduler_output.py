@@ -24,12 +24,15 @@ class ScheduledSeq:
 @dataclass(slots=True)
 class SchedulerOutput:
     """One step: the scheduled sequences, each one's block table (keyed by ``seq_id``, covering
-    every token it runs) and the copy-on-write ``(src, dst)`` block copies to perform first."""
+    every token it runs) and the copy-on-write ``(src, dst)`` block copies to perform first.
+    ``finished``: waiting requests that ended before running (their grammar failed to compile,
+    or the text it forces already ends the output); they get their final output this step."""
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     block_tables: dict[int, list[int]] = field(default_factory=dict)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.finished

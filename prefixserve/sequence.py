@@ -22,11 +22,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from prefixserve.detokenizer import IncrementalDetokenizer
 from prefixserve.sampling_params import BeamSearchParams, SamplingParams
+
+if TYPE_CHECKING:
+    from prefixserve.structured_outputs.grammar import Grammar
+    from prefixserve.structured_outputs.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.Enum):
@@ -41,7 +46,9 @@ class Sequence:
 
     ``seq_id`` is assigned by the scheduler when the sequence is queued or forked.
     ``block_hashes`` holds the chained hash of every full block of ``token_ids`` (with prefix
-    caching on); ``logprobs`` is None unless the request asked for them.
+    caching on); ``logprobs`` is None unless the request asked for them. ``grammar`` (structured
+    outputs) has accepted exactly the output tokens; it survives preemption, since recomputing a
+    sequence's tokens accepts nothing again.
     """
 
     index: int  # position among the request's outputs (beam search: rank, best first)
@@ -49,6 +56,7 @@ class Sequence:
     num_prompt_tokens: int
     seq_id: int = -1
     detokenizer: IncrementalDetokenizer | None = None
+    grammar: Grammar | None = None
     num_computed_tokens: int = 0
     block_hashes: list = field(default_factory=list)
     cumulative_logprob: float = 0.0
@@ -84,6 +92,7 @@ class Sequence:
             num_prompt_tokens=self.num_prompt_tokens,
             seq_id=seq_id,
             detokenizer=self.detokenizer.fork() if self.detokenizer is not None else None,
+            grammar=self.grammar.fork() if self.grammar is not None else None,
             num_computed_tokens=self.num_computed_tokens,
             block_hashes=list(self.block_hashes),
             cumulative_logprob=self.cumulative_logprob,
@@ -107,6 +116,7 @@ class Request:
     max_total_tokens: int  # stop at this length (prompt + output): max_tokens or max_model_len
     seqs: list[Sequence] = field(default_factory=list)
     generators: list[torch.Generator] | None = None
+    structured_output: StructuredOutputRequest | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     num_cached_tokens: int | None = None  # prompt tokens hit in the prefix cache at first admission
@@ -128,12 +138,7 @@ class Request:
     @property
     def awaits_fork(self) -> bool:
         """An n > 1 sampling request still on its one prompt sequence: its first sample forks it."""
-        return (
-            not self.is_beam_search
-            and self.num_samples > 1
-            and len(self.seqs) == 1
-            and self.seqs[0].num_output_tokens == 0
-        )
+        return not self.is_beam_search and self.num_samples > 1 and len(self.seqs) == 1
 
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]

@@ -5,6 +5,7 @@ Checked in this order, after the token was appended and its text released by the
     EOS (unless ignore_eos; not before min_tokens)        -> "stop", stop_reason None
     a stop token id (not before min_tokens)               -> "stop", stop_reason = the token id
     a stop string completed in the text                   -> "stop", stop_reason = the string
+    its grammar (structured outputs) is complete          -> "stop", stop_reason None
     the request's length limit (max_tokens, context)      -> "length"
 
 A sequence that ends for any other reason than a stop string has its held-back text released
@@ -39,6 +40,8 @@ class StopChecker:
             reason = ("stop", token)
         elif stop_str is not None:
             return ("stop", stop_str)
+        elif seq.grammar is not None and seq.grammar.is_terminated():
+            reason = ("stop", None)
         elif seq.num_tokens >= request.max_total_tokens:
             reason = ("length", None)
         if reason is not None:

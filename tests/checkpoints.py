@@ -61,7 +61,12 @@ def _hf_config(
 
 
 def make_checkpoint(
-    arch: str, folder: Path | str, *, seed: int = 0, max_shard_size: str | None = None
+    arch: str,
+    folder: Path | str,
+    *,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    max_position_embeddings: int = 256,
 ) -> Path:
     """Write a tiny random ``arch`` checkpoint (one of ``ARCHS``) plus tokenizer into ``folder``.
 
@@ -71,6 +76,7 @@ def make_checkpoint(
     tok = builtin_tokenizer()
     eos = [tok.convert_tokens_to_ids(t) for t in ("<|end_of_text|>", "<|im_end|>")]
     config = _hf_config(arch, len(tok), tok.bos_token_id, eos)
+    config.max_position_embeddings = max_position_embeddings
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)

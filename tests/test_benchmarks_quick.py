@@ -8,16 +8,13 @@ claims live in the benchmarks' own output. The HTTP load generator runs against 
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.checkpoints import make_checkpoint
+from tests.servers import server_process
 
 BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH_DIR))
@@ -129,46 +126,11 @@ def test_step_profile(tiny_model: Path, tmp_path: Path) -> None:
     assert (tmp_path / "step_profile.png").exists()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve_available() -> bool:
-    cmd = [sys.executable, "-m", "prefixserve", "serve", "--help"]
-    return subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0
-
-
 @pytest.fixture(scope="module")
 def server_url():
     """``python -m prefixserve serve`` on the built-in model, on a free port."""
-    if not _serve_available():
-        pytest.skip("`prefixserve serve` does not exist yet")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prefixserve", "serve", "--port", str(port), "--log-level", "error"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited: {proc.stderr.read().decode()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("server did not become healthy in 90 s")
-            time.sleep(0.3)
+    with server_process() as (_, url):
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.mark.parametrize(
@@ -185,3 +147,19 @@ def test_http_load(server_url: str, extra: list[str], tmp_path: Path) -> None:
     assert summary["ttft_ms"]["p50"] > 0
     assert summary["metrics_prefix_cache"]["hits"] > 0
     assert (tmp_path / "http_load.png").exists()
+
+
+def test_structured_quick(tmp_path: Path) -> None:
+    import structured
+
+    model = make_checkpoint("llama", tmp_path / "model", seed=3, max_position_embeddings=4096)
+    result = structured.main(_common(model, tmp_path))
+    (row,) = result["overhead"]
+    assert row["ms_per_step"]["free"] > 0 and row["ms_per_step"]["constrained"] > 0
+    assert result["compile"]["cached_ms"] < result["compile"]["first_ms"]
+    jump = result["jump_forward"]
+    assert jump["on"]["all_parse"] and jump["off"]["all_parse"]
+    assert jump["on"]["steps"] < jump["off"]["steps"]
+    for r in result["cache_reach"]:  # each turn reaches at least through the previous prompt
+        assert r["optimum"] >= r["cached_tokens"] >= r["previous_prompt_tokens"] // 16 * 16
+    assert (tmp_path / "structured.json").exists()

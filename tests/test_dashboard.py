@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server import MODEL, launch_server, metric, scrape
+from servers import MODEL, launch_server, metric, scrape
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_server import launch_server
+from servers import launch_server
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -50,3 +50,11 @@ def test_parallel_sampling(base_url):
 def test_beam_search(base_url):
     out = run_example("beam_search.py", base_url, "--beam-width", "3", "--max-tokens", "4")
     assert len(re.findall(r"^beam \d", out, re.M)) == 3
+
+
+def test_structured_agent_calls_every_turn_and_reports_json(base_url):
+    out = run_example("structured_agent.py", base_url, "--turns", "3")
+    cached = [int(m) for m in re.findall(r"cached (\d+)", out)]
+    assert len(re.findall(r"called host_status\(host=", out)) == 3
+    assert len(cached) == 4 and cached[1] > 0 and cached[2] > cached[1]
+    assert "report: {" in out

@@ -21,7 +21,7 @@ import schemathesis
 import uvicorn
 from hypothesis import HealthCheck, Phase, given, settings
 from prefixserve.api.server import ServerConfig, create_app
-from test_server import MODEL, free_port
+from servers import MODEL, free_port
 
 from prefixserve.config import EngineConfig
 from prefixserve.engine import LLMEngine

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from prefixserve.api.async_engine import AsyncEngine
 from prefixserve.api.server import ServerConfig, create_app
-from test_server import MODEL, metric, scrape, server_process
+from servers import MODEL, metric, scrape, server_process
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.config import EngineConfig

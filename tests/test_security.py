@@ -11,8 +11,8 @@ import logging
 import pytest
 from checkpoints import make_checkpoint
 from prefixserve.api.server import ServerConfig
+from servers import MODEL
 from test_reliability import inprocess, sse_events, wait_idle
-from test_server import MODEL
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.cli import build_parser

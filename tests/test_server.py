@@ -4,94 +4,12 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import httpx
 import openai
 import pytest
-
-MODEL = "prefixserve/tiny-random"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def server_process(
-    *extra: str, env: dict | None = None, num_kv_blocks: int = 512, timeout: float = 90.0
-) -> Iterator[tuple[subprocess.Popen, str]]:
-    """``python -m prefixserve serve`` on a free port, once healthy: yields (process, base URL).
-
-    On exit a process still running is terminated (killed if it does not stop in 15 s).
-    """
-    port = free_port()
-    cmd = [sys.executable, "-m", "prefixserve", "serve", "--port", str(port)]
-    cmd += ["--num-kv-blocks", str(num_kv_blocks), "--max-model-len", "1024"]
-    cmd += ["--log-level", "warning", *extra]
-    proc = subprocess.Popen(
-        cmd,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{proc.stdout.read()}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("server did not become healthy")
-            time.sleep(0.2)
-        yield proc, base
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        proc.wait()
-
-
-@contextmanager
-def launch_server(*extra: str, env: dict | None = None) -> Iterator[str]:
-    """``server_process`` yielding only the base URL."""
-    with server_process(*extra, env=env) as (_, base):
-        yield base
-
-
-def scrape(base: str) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value} for every sample."""
-    out = {}
-    for line in httpx.get(f"{base}/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
-
-
-def metric(samples: dict[str, float], name: str, **labels: str) -> float:
-    want = {"model_name": MODEL, **labels}
-    for key, value in samples.items():
-        if key.split("{")[0] == name and all(f'{k}="{v}"' in key for k, v in want.items()):
-            return value
-    raise KeyError(name)
+from servers import MODEL, launch_server, metric, scrape
 
 
 @pytest.fixture(scope="module")

@@ -60,7 +60,8 @@ CHAT_TEMPLATE = (
     "<|im_start|>assistant\n{{ text(m.content) }}"
     "{%- for tc in m.tool_calls or [] -%}"
     "{%- set f = tc.function if tc.function is defined else tc -%}"
-    '{% if not loop.first or m.content %}\n{% endif %}<tool_call>\n{"name": "{{ f.name }}", '
+    "{% if not loop.first or m.content %}{{ '\\n' }}{% endif %}"
+    '<tool_call>\n{"name": "{{ f.name }}", '
     '"arguments": {{ f.arguments if f.arguments is string else f.arguments | tojson }}}'
     "\n</tool_call>"
     "{%- endfor -%}<|im_end|>{{ '\\n' }}"
