@@ -158,6 +158,7 @@ class AsyncEngine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.engine.shutdown()
 
     def admit(self, count: int) -> None:
         """Raise ``EngineOverloadedError`` if ``count`` more requests would overfill the queue."""

@@ -65,6 +65,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        help="publish prefix-cache changes (vLLM's KV events, ZMQ PUB) here, e.g. tcp://*:5557",
+    )
+    p.add_argument("--kv-events-replay-endpoint", default=None, help="ZMQ replay socket")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -84,6 +90,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         dtype=args.dtype,
         attention_backend=args.attention_backend,
         seed=args.seed,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
     )
 
 

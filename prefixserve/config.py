@@ -21,6 +21,8 @@ class EngineConfig:
     ``max_position_embeddings``. ``max_num_batched_tokens`` is the per-step token budget that
     prefill chunks and decode tokens share. ``enable_jump_forward``: under a grammar, append
     the text it forces (JSON keys, a forced tool call's name) without sampling it token by token.
+    ``kv_events_endpoint`` (e.g. ``tcp://*:5557``): publish the prefix cache's changes there
+    (vLLM's KV-event format, ZMQ PUB), with a replay socket at ``kv_events_replay_endpoint``.
     """
 
     model: str | None = None
@@ -41,6 +43,8 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     revision: str | None = None
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         bs = self.block_size

@@ -91,10 +91,12 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.kv_events, self.kv_event_publisher = self._kv_events(config)
         kv_cache_manager = KVCacheManager(
             self.runner.num_blocks,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
+            kv_events=self.kv_events,
         )
         self.scheduler = Scheduler(config, kv_cache_manager, StopChecker(self.eos_token_ids))
         self.structured_outputs = StructuredOutputManager(
@@ -106,6 +108,29 @@ class LLMEngine:
         self.step_times = StepTimes()
         self.num_steps = 0
         torch.manual_seed(config.seed)
+
+    @staticmethod
+    def _kv_events(config: EngineConfig):
+        """The recorder the block pool reports to and the publisher of its events, or Nones."""
+        if config.kv_events_endpoint is None:
+            return None, None
+        from prefixserve.kv_event_publisher import KVEventPublisher
+        from prefixserve.kv_events import KVEventRecorder
+
+        publisher = KVEventPublisher(
+            config.kv_events_endpoint, replay_endpoint=config.kv_events_replay_endpoint
+        )
+        return KVEventRecorder(), publisher
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(self.kv_events.take())
+
+    def shutdown(self) -> None:
+        """Stop the grammar compiler's threads and the KV-event publisher (idempotent)."""
+        self.structured_outputs.shutdown()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -282,6 +307,7 @@ class LLMEngine:
         times.sample += t3 - t2
         times.output += time.perf_counter() - t3
         self.num_steps += 1
+        self._publish_kv_events()
         return outputs
 
     # ---- figures -------------------------------------------------------------------------------
@@ -313,7 +339,9 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while any block is in use."""
-        return self.scheduler.reset_prefix_cache()
+        reset = self.scheduler.reset_prefix_cache()
+        self._publish_kv_events()
+        return reset
 
 
 def _derive_seed(seed: int, index: int) -> int:

@@ -11,6 +11,9 @@ so ``num_free_blocks + num_cached_blocks + num_used_blocks == num_blocks`` alway
 ``_hash_to_block`` maps each registered hash to the one block carrying it, used or cached.
 A block needed while no free one is left evicts the LRU head: its hash is unregistered and
 the block is handed out as a fresh one.
+
+With a ``KVEventRecorder``, every change to the set of registered hashes is reported as it
+happens (a hash registered, evicted, or all of them cleared), so a router can mirror the cache.
 """
 
 from __future__ import annotations
@@ -18,9 +21,13 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prefixserve.errors import InvalidArgumentError
 from prefixserve.kv.hashing import BlockHash
+
+if TYPE_CHECKING:
+    from prefixserve.kv_events import KVEventRecorder
 
 
 @dataclass(slots=True, eq=False)
@@ -40,7 +47,12 @@ class KVBlock:
 class BlockPool:
     """Owns every ``KVBlock``; hands them out and takes them back in a deterministic order."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        kv_events: KVEventRecorder | None = None,
+    ) -> None:
         if num_blocks <= 0:
             raise InvalidArgumentError(
                 f"num_blocks must be positive, got {num_blocks}", "num_blocks"
@@ -53,6 +65,7 @@ class BlockPool:
         self._hash_to_block: dict[BlockHash, KVBlock] = {}
         self.evictions = 0
         self.cow_copies = 0
+        self.kv_events = kv_events
 
     @property
     def num_free_blocks(self) -> int:
@@ -104,6 +117,8 @@ class BlockPool:
 
     def _evict(self, block: KVBlock) -> None:
         assert block.block_hash is not None and block.ref_cnt == 0
+        if self.kv_events is not None:
+            self.kv_events.on_block_removed(block.block_hash)
         del self._hash_to_block[block.block_hash]
         block.block_hash = None
         block.token_ids = None
@@ -151,11 +166,18 @@ class BlockPool:
             return block
         return None
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
+    def cache_block(
+        self,
+        block: KVBlock,
+        block_hash: BlockHash,
+        token_ids: Sequence[int],
+        parent_hash: BlockHash | None = None,
+    ) -> bool:
         """Register a full, used block under ``block_hash``; True if it was registered.
 
         If another block already carries ``block_hash`` that mapping is kept and ``block``
-        stays unhashed (it is freed as a plain block later).
+        stays unhashed (it is freed as a plain block later). ``parent_hash`` (the previous
+        block's hash in its chain) only goes into the KV event.
         """
         assert block.block_hash is None and block.ref_cnt > 0
         if not self.enable_caching or block_hash in self._hash_to_block:
@@ -163,6 +185,8 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._hash_to_block[block_hash] = block
+        if self.kv_events is not None:
+            self.kv_events.on_block_stored(block_hash, parent_hash, block.token_ids)
         return True
 
     def reset_prefix_cache(self) -> bool:
@@ -175,4 +199,6 @@ class BlockPool:
         self._hash_to_block.clear()
         self._lru.clear()
         self._free_ids = deque(range(self.num_blocks))
+        if self.kv_events is not None:
+            self.kv_events.on_all_cleared()
         return True

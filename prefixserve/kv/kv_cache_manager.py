@@ -22,10 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prefixserve.errors import InvalidArgumentError
 from prefixserve.kv.block_pool import BlockPool, KVBlock
 from prefixserve.kv.hashing import BlockHash
+
+if TYPE_CHECKING:
+    from prefixserve.kv_events import KVEventRecorder
 
 SeqId = Hashable
 
@@ -62,6 +66,7 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         watermark: float = 0.01,
+        kv_events: KVEventRecorder | None = None,
     ) -> None:
         if block_size <= 0:
             raise InvalidArgumentError(
@@ -73,7 +78,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = int(watermark * num_blocks)
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, kv_events)
         self._seqs: dict[SeqId, _SeqState] = {}
         self._query_tokens = 0
         self._hit_tokens = 0
@@ -186,7 +191,8 @@ class KVCacheManager:
         for i in range(state.num_registered, num_full):
             block = state.blocks[i]
             if block.block_hash is None:
-                cache_block(block, block_hashes[i], token_ids[i * bs : (i + 1) * bs])
+                parent = block_hashes[i - 1] if i > 0 else None
+                cache_block(block, block_hashes[i], token_ids[i * bs : (i + 1) * bs], parent)
         state.num_registered = max(state.num_registered, num_full)
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
