@@ -31,6 +31,7 @@ class _Lenient(BaseModel):
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage on every chunk (vLLM)
 
 
 class FunctionDefinition(_Lenient):
@@ -71,6 +72,14 @@ class _SamplingFields(_Lenient):
     include_stop_str_in_output: bool = False
     user: str | None = None
     # structured outputs: one of these (see BaseServing.structured_outputs)
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    request_id: str | None = None
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -88,20 +97,32 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    add_special_tokens: bool = True
 
 
 class TokenizeRequest(_Lenient):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[ToolDefinition] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(_Lenient):
@@ -143,6 +164,7 @@ class ChatChoice(BaseModel):
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -152,6 +174,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class CompletionChoice(BaseModel):
@@ -160,6 +184,9 @@ class CompletionChoice(BaseModel):
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):

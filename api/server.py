@@ -42,11 +42,12 @@ from prefixserve.api.protocol import (
     TokenizeRequest,
     error_body,
 )
-from prefixserve.api.serving_chat import ChatServing, render_chat
+from prefixserve.api.serving_chat import ChatServing
 from prefixserve.api.serving_completion import CompletionServing
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import prefixserve
+from prefixserve.chat_template import CONTENT_FORMATS, render_chat
 from prefixserve.engine import LLMEngine
 from prefixserve.errors import CacheCapacityError, InvalidArgumentError
 
@@ -65,6 +66,8 @@ class ServerConfig:
     ``request_timeout``: seconds a request may spend in the engine before it is aborted with a 408
     (None: no limit). ``shutdown_grace_seconds``: how long a drain waits for requests in flight.
     ``require_cache_salt``: refuse requests without a ``cache_salt``.
+    ``chat_template_content_format``: how message content reaches the chat template (``auto``,
+    ``string``, ``openai``; see ``prefixserve.chat_template``).
     """
 
     served_model_names: list[str]
@@ -75,6 +78,7 @@ class ServerConfig:
     request_timeout: float | None = None
     shutdown_grace_seconds: float = DEFAULT_SHUTDOWN_GRACE_SECONDS
     require_cache_salt: bool = False
+    chat_template_content_format: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1:
@@ -91,6 +95,11 @@ class ServerConfig:
             raise InvalidArgumentError(
                 f"request_timeout: must be > 0 seconds, got {self.request_timeout}",
                 "request_timeout",
+            )
+        if self.chat_template_content_format not in CONTENT_FORMATS:
+            raise InvalidArgumentError(
+                f"chat_template_content_format: must be one of {CONTENT_FORMATS}",
+                "chat_template_content_format",
             )
         if self.shutdown_grace_seconds < 0:
             raise InvalidArgumentError(
@@ -225,7 +234,9 @@ def create_app(
     options = dict(
         request_timeout=config.request_timeout, require_cache_salt=config.require_cache_salt
     )
-    chat = ChatServing(engine, names, config.tool_call_parser, **options)
+    chat = ChatServing(
+        engine, names, config.tool_call_parser, config.chat_template_content_format, **options
+    )
     completion = CompletionServing(engine, names, **options)
 
     @asynccontextmanager
@@ -313,14 +324,27 @@ def create_app(
         completion.check_model(req.model)
         tok = engine.tokenizer
         if req.messages is not None:
-            ids = await asyncio.to_thread(
-                render_chat, tok, req.messages, None, req.add_generation_prompt
-            )
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            try:
+                ids = await asyncio.to_thread(
+                    render_chat, tok, req.messages, tools=tools,
+                    add_generation_prompt=req.add_generation_prompt,
+                    continue_final_message=req.continue_final_message,
+                    add_special_tokens=bool(req.add_special_tokens),
+                    content_format=config.chat_template_content_format,
+                    chat_template=req.chat_template, chat_template_kwargs=req.chat_template_kwargs,
+                )  # fmt: skip
+            except InvalidArgumentError as exc:
+                raise APIError(str(exc), 400, exc.param) from exc
         elif req.prompt is not None:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            add = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = tok.encode(req.prompt, add_special_tokens=add)
         else:
             raise APIError("tokenize: give either 'prompt' or 'messages'", 400, "prompt")
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+        body = {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+        if req.return_token_strs:
+            body["token_strs"] = tok.convert_ids_to_tokens(ids)
+        return body
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):

@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from prefixserve.api.async_engine import AsyncEngine, RequestStream
@@ -118,11 +119,41 @@ class BaseServing:
             raise APIError(f"The model `{model}` does not exist.", 404, "model")
         return self.served_model_names[0]
 
-    def token_text(self, token_id: int) -> str:
+    def token_text(self, token_id: int, as_id: bool = False) -> str:
+        """A token's text, or ``token_id:N`` (``return_tokens_as_token_ids``)."""
+        if as_id:
+            return f"token_id:{token_id}"
         text = self._token_text.get(token_id)
         if text is None:
             text = self._token_text[token_id] = self.engine.tokenizer.decode([token_id])
         return text
+
+    def prompt_logprobs(
+        self, entries: list[dict[int, float] | None], k: int, computed_k: int, as_ids: bool
+    ) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id: {logprob,
+        rank, decoded_token}} for the prompt token and the k most likely tokens.
+
+        The engine computed each entry with ``computed_k`` >= k: the prompt token first, then
+        the true top ``computed_k``, so the order among those is exact. The prompt token's rank
+        is known when it is one of them; otherwise it is None (the engine ranks only the top).
+        """
+        out: list[dict[str, Any] | None] = []
+        for entry in entries:
+            if entry is None:
+                out.append(None)
+                continue
+            target = next(iter(entry))  # the engine puts the prompt token first
+            ranked = sorted(entry, key=entry.__getitem__, reverse=True)
+            known = len(entry) == computed_k  # the prompt token is one of the true top k
+            ranks = {tid: r for r, tid in enumerate(ranked, 1) if tid != target or known}
+            kept = ranked[:k] + ([target] if target not in ranked[:k] else [])
+            out.append({
+                str(tid): {"logprob": entry[tid], "rank": ranks.get(tid),
+                           "decoded_token": self.token_text(tid, as_ids)}
+                for tid in kept
+            })  # fmt: skip
+        return out
 
     async def check_grammar(self, params: StructuredOutputsParams, source: str) -> None:
         """A 400 naming ``source`` (the request field) when the grammar cannot be compiled."""
@@ -138,8 +169,10 @@ class BaseServing:
         max_tokens: int | None,
         logprobs: int | None,
         structured_outputs: StructuredOutputsParams | None = None,
+        prompt_logprobs: int | None = None,
     ):
-        """Engine parameters of a request (the engine checks them against the context)."""
+        """Engine parameters of a request (the engine checks them against the context and the
+        vocabulary)."""
         if self.require_cache_salt and not req.cache_salt:
             raise APIError(
                 "cache_salt: this server requires a non-empty 'cache_salt' on every request "
@@ -149,6 +182,7 @@ class BaseServing:
             )
         try:
             if req.use_beam_search:
+                self._check_beam_search(req, logprobs, prompt_logprobs)
                 return BeamSearchParams(
                     beam_width=req.n,
                     max_tokens=max_tokens,
@@ -178,9 +212,30 @@ class BaseServing:
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 structured_outputs=structured_outputs,
+                prompt_logprobs=prompt_logprobs,
+                logit_bias=_logit_bias(req.logit_bias),
+                allowed_token_ids=req.allowed_token_ids,
+                bad_words=req.bad_words,
+                truncate_prompt_tokens=req.truncate_prompt_tokens,
             )
         except InvalidArgumentError as exc:
             raise APIError(str(exc), 400, exc.param) from exc
+
+    @staticmethod
+    def _check_beam_search(req, logprobs: int | None, prompt_logprobs: int | None) -> None:
+        """Beam search scores with the raw model: options it would not honour are refused."""
+        given = {
+            "logprobs": logprobs is not None,
+            "prompt_logprobs": prompt_logprobs is not None,
+            "logit_bias": bool(req.logit_bias),
+            "allowed_token_ids": req.allowed_token_ids is not None,
+            "bad_words": bool(req.bad_words),
+            "truncate_prompt_tokens": req.truncate_prompt_tokens is not None,
+            "min_tokens": req.min_tokens > 0,
+        }
+        for name, is_set in given.items():
+            if is_set:
+                raise APIError(f"{name}: not supported with use_beam_search", 400, name)
 
     async def add_all(
         self, request_id: str, prompts: list[list[int]], params_list: list, prompt_param: str
@@ -237,24 +292,34 @@ class BaseServing:
         self,
         streams: list[RequestStream],
         base: dict,
-        events: Callable[[int, RequestOutput], Iterable[str]],
-        include_usage: bool,
-        first_events: Iterable[str] = (),
+        events: Callable[[int, RequestOutput], Iterable[dict]],
+        stream_options: Any,
+        first_chunks: Iterable[dict] = (),
     ) -> AsyncIterator[str]:
-        """The SSE lines of a stream: ``first_events``, then ``events(position, output)`` for
-        each output as it comes, the usage chunk once all finished (if asked), and the error
-        tail and ``[DONE]``. However it ends, the streams' engine requests end with it."""
-        finals: dict[int, RequestOutput] = {}
+        """The SSE lines of a stream: ``first_chunks``, then one chunk per body (``{"choices":
+        [...], ...}``) that ``events(position, output)`` gives as outputs come, the usage chunk
+        once all finished (``include_usage``; with ``continuous_usage_stats`` every chunk
+        carries the usage so far), and the error tail and ``[DONE]``. However it ends, the
+        streams' engine requests end with it."""
+        latest: dict[int, RequestOutput] = {}
+        include = stream_options is not None and stream_options.include_usage
+        continuous = stream_options is not None and stream_options.continuous_usage_stats
+
+        def chunk(body: dict) -> str:
+            if not continuous:
+                return chunk_event(base, **body)
+            usage = usage_of([latest[p] for p in sorted(latest)]) if latest else Usage()
+            return chunk_event(base, **body, usage=usage.model_dump())
+
         try:
-            for event in first_events:
-                yield event
+            for body in first_chunks:
+                yield chunk(body)
             async for p, out in merge(streams):
-                if out.finished:
-                    finals[p] = out
-                for event in events(p, out):
-                    yield event
-            if include_usage:
-                usage = usage_of([finals[p] for p in sorted(finals)])
+                latest[p] = out
+                for body in events(p, out):
+                    yield chunk(body)
+            if include:
+                usage = usage_of([latest[p] for p in sorted(latest)])
                 yield chunk_event(base, [], usage=usage.model_dump())
         except APIError as exc:
             yield sse(exc.body())
@@ -264,6 +329,21 @@ class BaseServing:
         finally:
             self.abort_all(streams)
         yield sse("[DONE]")
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise APIError(
+                f"logit_bias: {key!r} is not a token id; the keys are token ids", 400, "logit_bias"
+            ) from None
+    return out
 
 
 async def _last(stream: RequestStream) -> RequestOutput:

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 from fastapi import Request
 from prefixserve.api.async_engine import AsyncEngine
+from prefixserve.api.field_support import check_supported
 from prefixserve.api.protocol import (
     APIError,
     ChatChoice,
@@ -27,13 +28,7 @@ from prefixserve.api.protocol import (
     ChatMessage,
     random_id,
 )
-from prefixserve.api.serving_base import (
-    BaseServing,
-    ChoiceDelta,
-    DeltaTracker,
-    chunk_event,
-    usage_of,
-)
+from prefixserve.api.serving_base import BaseServing, ChoiceDelta, DeltaTracker, usage_of
 from prefixserve.api.structured_outputs import structured_outputs_of
 from prefixserve.api.tool_parsers import (
     ForcedToolCallDeltas,
@@ -42,28 +37,11 @@ from prefixserve.api.tool_parsers import (
     parse_tool_calls,
 )
 
+from prefixserve.chat_template import render_chat
 from prefixserve.errors import InvalidArgumentError
 from prefixserve.outputs import CompletionOutput, RequestOutput
 from prefixserve.structured_outputs.params import StructuredOutputsParams
 from prefixserve.structured_outputs.tool_calls import tool_call_params
-
-
-def render_chat(
-    tokenizer, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool
-) -> list[int]:
-    """Token ids of the conversation; the template writes BOS itself, so nothing is added twice."""
-    for i, m in enumerate(messages):
-        if not isinstance(m.get("role"), str):
-            raise APIError(f"messages[{i}]: every message needs a string 'role'", 400, "messages")
-    try:
-        encoded = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True
-        )
-    except Exception as exc:
-        raise APIError(f"messages: the chat template failed: {exc}", 400, "messages") from exc
-    if isinstance(encoded, dict) or hasattr(encoded, "input_ids"):
-        encoded = encoded["input_ids"]
-    return list(encoded)
 
 
 class ChatServing(BaseServing):
@@ -72,10 +50,12 @@ class ChatServing(BaseServing):
         engine: AsyncEngine,
         served_model_names: list[str],
         tool_parser: str | None,
+        content_format: str = "auto",
         **options,
     ) -> None:
         super().__init__(engine, served_model_names, **options)
         self.tool_parser = tool_parser
+        self.content_format = content_format
         texts = {engine.tokenizer.decode([t]) for t in engine.eos_token_ids} - {""}
         self.eos_texts = tuple(sorted(texts, key=len, reverse=True))
 
@@ -130,6 +110,7 @@ class ChatServing(BaseServing):
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request):
         model = self.check_model(req.model)
+        check_supported(req, "chat")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs: requires logprobs=true", 400, "top_logprobs")
         if isinstance(req.tool_choice, dict) and not isinstance(
@@ -142,23 +123,61 @@ class ChatServing(BaseServing):
             )
         tools, mode = self._tool_mode(req)
         structured = await self._structured_outputs(req, tools, mode)
-        prompt = await asyncio.to_thread(
-            render_chat, self.engine.tokenizer, req.messages, tools, req.add_generation_prompt
-        )
+        prompt = await asyncio.to_thread(self._render, req, tools)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
-        params = self.make_params(req, max_tokens, logprobs, structured)
+        params = self.make_params(req, max_tokens, logprobs, structured, req.prompt_logprobs)
         if mode is not ToolMode.NONE and hasattr(params, "skip_special_tokens"):
             params.skip_special_tokens = False  # tool-call tags may be special tokens
-        request_id = random_id("chatcmpl-")
+        request_id = "chatcmpl-" + (req.request_id or random_id(""))
         streams = await self.add_all(request_id, [prompt], [params], "messages")
         if req.stream:
             return self._stream(req, request_id, model, streams, mode)
         final = (await self.collect(raw_request, streams))[0]
         choices = [self._choice(req, c, mode) for c in final.outputs]
         return ChatCompletionResponse(
-            id=request_id, model=model, choices=choices, usage=usage_of([final])
-        )
+            id=request_id, model=model, choices=choices, usage=usage_of([final]),
+            **self._extras(req, final),
+        )  # fmt: skip
+
+    def _render(self, req: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
+        try:
+            return render_chat(
+                self.engine.tokenizer,
+                req.messages,
+                tools=tools,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                add_special_tokens=req.add_special_tokens,
+                content_format=self.content_format,
+                chat_template=req.chat_template,
+                chat_template_kwargs=req.chat_template_kwargs,
+                documents=req.documents,
+            )
+        except InvalidArgumentError as exc:
+            raise APIError(str(exc), 400, exc.param) from exc
+
+    def _extras(self, req: ChatCompletionRequest, final: RequestOutput) -> dict:
+        """Response-level ``prompt_logprobs`` and ``prompt_token_ids`` when asked for."""
+        extras: dict = {}
+        if req.prompt_logprobs is not None and final.prompt_logprobs is not None:
+            extras["prompt_logprobs"] = self.prompt_logprobs(
+                final.prompt_logprobs, req.prompt_logprobs, req.prompt_logprobs,
+                req.return_tokens_as_token_ids,
+            )  # fmt: skip
+        if req.return_token_ids:
+            extras["prompt_token_ids"] = final.prompt_token_ids
+        return extras
+
+    def _echo(self, req: ChatCompletionRequest) -> str:
+        """With ``echo``, the final assistant message's content (continued by the output)."""
+        last = req.messages[-1]
+        if not req.echo or last.get("role") != "assistant":
+            return ""
+        content = last.get("content") or ""
+        if isinstance(content, list):
+            return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return content
 
     def _visible_text(self, c: CompletionOutput, mode: ToolMode) -> str:
         """The output text, less the EOS text that tool modes keep (special tokens shown)."""
@@ -179,12 +198,15 @@ class ChatServing(BaseServing):
         else:
             content, calls = text, []
         lps = self._logprobs(req, c.logprobs, c.token_ids) if c.logprobs is not None else None
+        if content is not None or not calls:
+            content = self._echo(req) + (content or "")
         return ChatChoice(
             index=c.index,
             message=ChatMessage(content=content, tool_calls=calls),
             logprobs=lps,
             finish_reason=_finish_reason(c.finish_reason, mode, bool(calls)),
             stop_reason=c.stop_reason,
+            token_ids=c.token_ids if req.return_token_ids else None,
         )
 
     def _logprobs(
@@ -193,7 +215,7 @@ class ChatServing(BaseServing):
         k = req.top_logprobs or 0
 
         def item(token_id: int, logprob: float) -> dict:
-            text = self.token_text(token_id)
+            text = self.token_text(token_id, req.return_tokens_as_token_ids)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
         content = []
@@ -211,15 +233,17 @@ class ChatServing(BaseServing):
         parsers = {
             i: ForcedToolCallDeltas() if forced else HermesStreamParser() for i in range(req.n)
         }
+        echo = self._echo(req)
+        sent_extras = False
 
-        def chunk(index: int, delta: dict, logprobs=None, finish_reason=None, **extra) -> str:
-            choice = {"index": index, "delta": delta, "logprobs": logprobs,
-                      "finish_reason": finish_reason, **extra}  # fmt: skip
-            return chunk_event(base, [choice])
+        def choice(index: int, delta: dict, logprobs=None, finish_reason=None, **extra) -> dict:
+            return {"index": index, "delta": delta, "logprobs": logprobs,
+                    "finish_reason": finish_reason, **extra}  # fmt: skip
 
         def message_delta(d: ChoiceDelta) -> dict:
             if mode is ToolMode.NONE:
-                return {"content": d.text} if d.text else {}
+                text = (echo if d.first else "") + d.text
+                return {"content": text} if text else {}
             parser = parsers[d.index]
             if forced:
                 calls = parser.feed(d.text)
@@ -233,7 +257,8 @@ class ChatServing(BaseServing):
                 ]
             return delta
 
-        def events(_: int, out: RequestOutput) -> Iterator[str]:
+        def events(_: int, out: RequestOutput) -> Iterator[dict]:
+            nonlocal sent_extras
             if req.use_beam_search and not out.finished:
                 return
             for c in out.outputs:
@@ -249,13 +274,19 @@ class ChatServing(BaseServing):
                 reason = d.finish_reason
                 if reason is not None:
                     reason = _finish_reason(reason, mode, parsers[d.index].has_calls)
-                if delta or lps or reason:
-                    extra = {"stop_reason": d.stop_reason} if reason else {}
-                    yield chunk(d.index, delta, lps, reason, **extra)
+                extra = {"stop_reason": d.stop_reason} if reason else {}
+                if req.return_token_ids:
+                    extra["token_ids"] = d.token_ids
+                if delta or lps or reason or (d.token_ids and req.return_token_ids):
+                    body = {"choices": [choice(d.index, delta, lps, reason, **extra)]}
+                    if not sent_extras:  # prompt_logprobs, prompt_token_ids: once
+                        body.update(self._extras(req, out))
+                        sent_extras = True
+                    yield body
 
-        roles = [chunk(i, {"role": "assistant", "content": ""}) for i in range(req.n)]
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return self.stream(streams, base, events, include_usage, first_events=roles)
+        roles = [{"choices": [choice(i, {"role": "assistant", "content": ""})]}
+                 for i in range(req.n)]  # fmt: skip
+        return self.stream(streams, base, events, req.stream_options, first_chunks=roles)
 
 
 class ToolMode(enum.Enum):

@@ -181,6 +181,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         help="on SIGTERM, how long requests in flight may finish before they are aborted",
     )
     p.add_argument(
+        "--chat-template-content-format",
+        choices=["auto", "string", "openai"],
+        default="auto",
+        help="message content as one string or as OpenAI parts (auto: what the template reads)",
+    )
+    p.add_argument(
         "--require-cache-salt",
         action="store_true",
         help="refuse requests without a cache_salt (one prefix-cache namespace per tenant)",
@@ -199,6 +205,7 @@ def run_serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
         shutdown_grace_seconds=args.shutdown_grace_seconds,
         require_cache_salt=args.require_cache_salt,
+        chat_template_content_format=args.chat_template_content_format,
     )
     fault = os.environ.get(FAULT_INJECT_ENV)
     hook = fault_injector(fault) if fault else None

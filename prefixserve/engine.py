@@ -154,6 +154,9 @@ class LLMEngine:
     ) -> Request:
         """Validate and queue a request. Raises a typed error (and queues nothing) on bad input."""
         text, token_ids = self._tokenize(prompt)
+        truncate = getattr(params, "truncate_prompt_tokens", None)
+        if truncate is not None and len(token_ids) > truncate:
+            text, token_ids = None, token_ids[-truncate:]
         self._check_prompt(token_ids, params)
         max_total = self._check_context(len(token_ids), params.max_tokens)
         width = params.beam_width if isinstance(params, BeamSearchParams) else params.n
@@ -171,6 +174,10 @@ class LLMEngine:
             generators=self._generators(params),
             structured_output=self._structured_output(params),
         )
+        if isinstance(params, SamplingParams):
+            if params.prompt_logprobs is not None:
+                request.prompt_logprobs = [None]
+            request.bad_words_token_ids = self._bad_words(params.bad_words or [])
         self.scheduler.add_request(request)
         if request.structured_output is not None:
             self._structured_requests[request.structured_output.params.kind] += 1
@@ -205,11 +212,13 @@ class LLMEngine:
                 f"{self.config.max_num_batched_tokens} with chunked prefill disabled",
                 "prompt",
             )
-        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad_stop:
-            raise InvalidArgumentError(
-                f"stop_token_ids: {bad_stop} outside the vocabulary [0, {vocab})", "stop_token_ids"
-            )
+        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+            ids = getattr(params, name, None) or []
+            bad_ids = [t for t in ids if not 0 <= t < vocab]
+            if bad_ids:
+                raise InvalidArgumentError(
+                    f"{name}: token id {bad_ids[0]} is outside the vocabulary [0, {vocab})", name
+                )
 
     def _check_context(self, num_prompt: int, max_tokens: int | None) -> int:
         """The request's length limit (prompt + output); raises ``PromptTooLongError`` (OpenAI's
@@ -257,6 +266,16 @@ class LLMEngine:
                 seq.logprobs = []
         return seq
 
+    def _bad_words(self, words: list[str]) -> list[list[int]]:
+        """Each word as the tokenizer writes it alone and after a space (as vLLM does)."""
+        sequences = []
+        for word in words:
+            for text in (word, " " + word):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
+
     def _generators(self, params: SamplingParams | BeamSearchParams) -> list | None:
         """A seeded request's generators: sample ``j`` draws from its own stream."""
         if not isinstance(params, SamplingParams) or params.seed is None:
@@ -297,7 +316,9 @@ class LLMEngine:
         t1 = time.perf_counter()
         runner_output = self.runner.execute(scheduler_output)
         t2 = time.perf_counter()
-        sampled = self.sampling_step.sample(runner_output.samplers, runner_output.logits)
+        sampled = self.sampling_step.sample(
+            runner_output.samplers, runner_output.logits, runner_output.prompt_logits
+        )
         touched = self.scheduler.update_from_output(scheduler_output, sampled)
         t3 = time.perf_counter()
         outputs = [self.output_processor.make_output(request) for request in touched]

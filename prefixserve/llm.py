@@ -7,6 +7,7 @@ from collections.abc import Sequence as SequenceABC
 
 from tqdm.auto import tqdm
 
+from prefixserve.chat_template import render_chat
 from prefixserve.config import EngineConfig
 from prefixserve.engine import LLMEngine
 from prefixserve.errors import InvalidArgumentError
@@ -64,16 +65,24 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: list[dict] | None = None,
+        chat_template_content_format: str = "auto",
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
+        """Render one conversation or a list of them with the tokenizer's chat template (see
+        ``prefixserve.chat_template``), then generate."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tokenizer = self.get_tokenizer()
         prompts = [
-            _as_token_ids(
-                tokenizer.apply_chat_template(
-                    conv, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True
-                )
+            render_chat(
+                tokenizer,
+                conv,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                content_format=chat_template_content_format,
+                chat_template_kwargs=chat_template_kwargs,
             )
             for conv in conversations
         ]
@@ -117,13 +126,6 @@ class LLM:
         finally:
             bar.close()
         return [finished[rid] for rid in ids]
-
-
-def _as_token_ids(encoded) -> list[int]:
-    """apply_chat_template returns a list, or a BatchEncoding with input_ids in newer transformers."""
-    if isinstance(encoded, dict) or hasattr(encoded, "input_ids"):
-        encoded = encoded["input_ids"]
-    return list(encoded)
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -26,12 +27,15 @@ logger = logging.getLogger(__name__)
 
 class ModelRunnerOutput(NamedTuple):
     """``logits[i]`` (``[len(samplers), V]``) belongs to ``samplers[i]``, the scheduled sequences
-    that sample this step; and where the step's time went."""
+    that sample this step; where the step's time went; and for each scheduled sequence that asks
+    for prompt logprobs, the logits of its chunk's rows that score prompt tokens (row ``j``:
+    position ``num_computed_tokens + j``, predicting the next prompt token)."""
 
     samplers: list[ScheduledSeq]
     logits: torch.Tensor
     prepare_seconds: float
     forward_seconds: float
+    prompt_logits: Sequence[tuple[ScheduledSeq, torch.Tensor]] = ()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -115,11 +119,13 @@ class ModelRunner:
         input_ids = [t for s, (_, start, n) in zip(batch, spans)
                      for t in s.seq.token_ids[start : start + n]]  # fmt: skip
         positions, meta = build_attention_metadata(spans, self.block_size, self.device)
+        qsl = meta.query_start_loc_cpu
         samplers = [s for s in batch if s.samples]
+        sample_rows = [qsl[i + 1] - 1 for i, s in enumerate(batch) if s.samples]
+        scored = [(s, qsl[i], n) for i, s in enumerate(batch) if (n := _num_prompt_rows(s)) > 0]
         keep = None
-        if len(samplers) < len(input_ids):  # the last layer runs for the sampling rows only
-            qsl = meta.query_start_loc_cpu
-            rows = [qsl[i + 1] - 1 for i, s in enumerate(batch) if s.samples]
+        if len(samplers) < len(input_ids) and not scored:
+            # the last layer runs for the sampling rows only (prompt logprobs need every row)
             row_spans = [SeqSpan(table, start + n - 1, 1)
                          for s, (table, start, n) in zip(batch, spans) if s.samples]  # fmt: skip
             row_meta = (
@@ -127,9 +133,23 @@ class ModelRunner:
                 if row_spans
                 else None
             )
-            keep = (torch.tensor(rows, dtype=torch.int64, device=self.device), row_meta)
+            keep = (torch.tensor(sample_rows, dtype=torch.int64, device=self.device), row_meta)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         t1 = time.perf_counter()
         hidden = self.model(ids, positions, self.kv_caches, meta, keep)
-        logits = self.model.compute_logits(hidden)
-        return ModelRunnerOutput(samplers, logits, t1 - t0, time.perf_counter() - t1)
+        if keep is None and len(samplers) < len(input_ids):
+            logits = self.model.compute_logits(hidden[sample_rows])
+        else:
+            logits = self.model.compute_logits(hidden)
+        prompt_logits = [(s, self.model.compute_logits(hidden[first : first + n]))
+                         for s, first, n in scored]  # fmt: skip
+        return ModelRunnerOutput(samplers, logits, t1 - t0, time.perf_counter() - t1, prompt_logits)
+
+
+def _num_prompt_rows(sched: ScheduledSeq) -> int:
+    """Rows of this step whose logits score a prompt token (``prompt_logprobs``): the chunk's
+    tokens at positions p < num_prompt_tokens - 1, each predicting the token at p + 1."""
+    if sched.request.num_prompt_logprobs is None:
+        return 0
+    start = sched.seq.num_computed_tokens
+    return max(0, min(start + sched.num_new_tokens, sched.seq.num_prompt_tokens - 1) - start)

@@ -42,4 +42,5 @@ class OutputProcessor:
             finished=request.is_finished,
             num_cached_tokens=request.num_cached_tokens or 0,
             error=request.error,
+            prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs else None,
         )

@@ -31,6 +31,8 @@ class RequestOutput:
 
     ``num_cached_tokens`` counts prompt tokens whose KV came from the prefix cache at the request's
     first scheduling (block-aligned). ``outputs`` are in index order (for beam search: best first).
+    ``prompt_logprobs`` (when asked for): per prompt token a dict {token_id: logprob} holding that
+    token and the top k at its position, None for the first token; filled as the prompt runs.
     """
 
     request_id: str
@@ -40,3 +42,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -4,9 +4,10 @@ Order of processing, per row::
 
     raw logits ──> logprobs (log_softmax of the raw logits: what the model said)
         │
-        └─> grammar bitmask -> banned tokens -> penalties ─┬─ greedy rows: argmax
-                                                           └─ random rows: temperature -> top-k
-                                             -> top-p -> min-p -> exponential race: argmax(probs / q)
+        └─> process_logits (grammar, token controls, penalties: ``logits_processors``)
+              ├─ greedy rows: argmax
+              └─ random rows: temperature -> top-k -> top-p -> min-p
+                              -> exponential race: argmax(probs / q)
 
 The exponential race picks token ``i`` with probability ``probs[i]`` when ``q ~ Exp(1)`` i.i.d.
 A row with its own ``torch.Generator`` (a seeded request) draws its ``q`` from it alone, so a seed
@@ -19,89 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixserve.sampling_params import SamplingParams
-from prefixserve.structured_outputs.grammar import apply_bitmask
+from prefixserve.logits_processors import process_logits
+from prefixserve.sampling_metadata import SamplingMetadata
 
 # Top-p ranks this many candidates before it falls back to sorting the whole vocab.
 _TOP_P_CANDIDATES = 1024
-
-
-@dataclass(slots=True)
-class SamplingMetadata:
-    """Per-step sampling state, one row per sequence that samples this step.
-
-    Optional tensors are None when no row uses the feature (the fast path skips it).
-    ``temperature`` is 0 exactly for greedy rows; ``top_k`` 0 means disabled. ``generators`` maps a
-    row index to that sequence's own generator. ``banned_token_ids`` lists, per row, tokens masked
-    to -inf (EOS and stop token ids while a sequence is shorter than its ``min_tokens``).
-    ``token_bitmask`` (structured outputs) holds, for the rows in ``bitmask_rows``, the tokens
-    their grammar allows (xgrammar's packed int32 layout); the others are masked first of all.
-    """
-
-    temperature: torch.Tensor
-    top_p: torch.Tensor | None
-    top_k: torch.Tensor | None
-    min_p: torch.Tensor | None
-    presence_penalty: torch.Tensor | None
-    frequency_penalty: torch.Tensor | None
-    repetition_penalty: torch.Tensor | None
-    output_token_ids: list[list[int]]
-    prompt_token_ids: list[list[int]]
-    generators: dict[int, torch.Generator]
-    max_num_logprobs: int | None
-    all_greedy: bool
-    banned_token_ids: list[list[int]] | None
-    token_bitmask: torch.Tensor | None = None
-    bitmask_rows: list[int] | None = None
-
-    @classmethod
-    def from_params(
-        cls,
-        params: list[SamplingParams],
-        output_token_ids: list[list[int]],
-        prompt_token_ids: list[list[int]],
-        generators: dict[int, torch.Generator],
-        banned_token_ids: list[list[int]] | None,
-        device: torch.device | str,
-    ) -> SamplingMetadata:
-        """Build the metadata of a batch, leaving unused features as None."""
-        assert len(params) == len(output_token_ids) == len(prompt_token_ids)
-
-        def column(values: list[float], dtype: torch.dtype, unused: float) -> torch.Tensor | None:
-            if all(v == unused for v in values):
-                return None
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        greedy = [p.greedy for p in params]
-        temperature = [0.0 if g else p.temperature for g, p in zip(greedy, params)]
-        requested = [p.logprobs for p in params if p.logprobs is not None]
-        if banned_token_ids is not None and not any(banned_token_ids):
-            banned_token_ids = None
-        return cls(
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            top_p=column([p.top_p for p in params], torch.float32, 1.0),
-            top_k=column([p.top_k for p in params], torch.int64, 0),
-            min_p=column([p.min_p for p in params], torch.float32, 0.0),
-            presence_penalty=column([p.presence_penalty for p in params], torch.float32, 0.0),
-            frequency_penalty=column([p.frequency_penalty for p in params], torch.float32, 0.0),
-            repetition_penalty=column([p.repetition_penalty for p in params], torch.float32, 1.0),
-            output_token_ids=output_token_ids,
-            prompt_token_ids=prompt_token_ids,
-            generators=generators,
-            max_num_logprobs=max(requested) if requested else None,
-            all_greedy=all(greedy),
-            banned_token_ids=banned_token_ids,
-        )
-
-    @property
-    def needs_processing(self) -> bool:
-        """True when banned tokens or a penalty change the logits before sampling."""
-        return (
-            self.banned_token_ids is not None
-            or self.presence_penalty is not None
-            or self.frequency_penalty is not None
-            or self.repetition_penalty is not None
-        )
 
 
 @dataclass(slots=True)
@@ -112,54 +35,6 @@ class SamplerOutput:
     sampled_logprobs: torch.Tensor
     topk_token_ids: torch.Tensor | None
     topk_logprobs: torch.Tensor | None
-
-
-def _token_mask(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[N, V] float32 counts of each token id per row (scatter_add from a padded list)."""
-    width = max((len(ids) for ids in token_ids), default=0)
-    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
-    if width:
-        # Padding points at the extra column ``vocab_size``, dropped below.
-        rows = [ids + [vocab_size] * (width - len(ids)) for ids in token_ids]
-        padded = torch.tensor(rows, dtype=torch.int64, device=device)
-        counts.scatter_add_(1, padded, torch.ones(padded.shape, dtype=torch.float32, device=device))
-    return counts[:, :vocab_size]
-
-
-def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: list[list[int]]) -> torch.Tensor:
-    """Return ``logits`` with each row's banned tokens set to -inf."""
-    banned = _token_mask(banned_token_ids, logits.shape[-1], logits.device) > 0
-    return logits.masked_fill(banned, float("-inf"))
-
-
-def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Return ``logits`` after the repetition, frequency and presence penalties.
-
-    Repetition (as transformers): a token seen in the prompt or the output has its logit divided by
-    the penalty when positive, multiplied when negative. Frequency and presence (as OpenAI):
-    ``logit -= frequency * count + presence * (count > 0)`` over generated tokens only.
-    """
-    vocab_size = logits.shape[-1]
-    if metadata.repetition_penalty is not None:
-        seen_ids = [p + o for p, o in zip(metadata.prompt_token_ids, metadata.output_token_ids)]
-        seen = _token_mask(seen_ids, vocab_size, logits.device) > 0
-        penalty = metadata.repetition_penalty.unsqueeze(1)
-        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits = torch.where(seen, penalized, logits)
-    if metadata.frequency_penalty is not None or metadata.presence_penalty is not None:
-        counts = _token_mask(metadata.output_token_ids, vocab_size, logits.device)
-        if metadata.frequency_penalty is not None:
-            logits = logits - metadata.frequency_penalty.unsqueeze(1) * counts
-        if metadata.presence_penalty is not None:
-            logits = logits - metadata.presence_penalty.unsqueeze(1) * (counts > 0).float()
-    return logits
-
-
-def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Banned tokens then penalties: the logits that greedy rows take the argmax of."""
-    if metadata.banned_token_ids is not None:
-        logits = apply_banned_tokens(logits, metadata.banned_token_ids)
-    return apply_penalties(logits, metadata)
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -244,12 +119,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
-        processed = logits
-        if metadata.token_bitmask is not None:  # on a copy: logprobs come from the raw logits
-            processed = logits.clone()
-            apply_bitmask(processed, metadata.token_bitmask, metadata.bitmask_rows)
-        if metadata.needs_processing:
-            processed = process_logits(processed, metadata)
+        processed = process_logits(logits, metadata) if metadata.needs_processing else logits
         sampled = processed.argmax(dim=-1)
         if not metadata.all_greedy:
             random = metadata.temperature > 0

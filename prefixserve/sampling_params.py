@@ -20,6 +20,13 @@ class SamplingParams:
     the k most likely tokens. ``cache_salt`` isolates this request's KV blocks from requests with a
     different salt (tenant isolation). ``structured_outputs`` constrains the output to a JSON
     schema, regex, choice or grammar (every token sampled is one the grammar allows).
+
+    ``prompt_logprobs=k``: for every prompt token after the first, a dict holding its logprob and
+    the k most likely tokens at that position (the prompt is computed in full: no prefix-cache
+    hit). Token controls, applied before sampling with the grammar mask: ``logit_bias`` (token id
+    -> bias in [-100, 100], added to the logits), ``allowed_token_ids`` (only these may be
+    sampled), ``bad_words`` (strings never generated). ``truncate_prompt_tokens=k`` keeps the
+    prompt's last k tokens.
     """
 
     n: int = 1
@@ -41,6 +48,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,6 +101,21 @@ class SamplingParams:
             or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
             "logprobs",
             f"must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}",
+        )
+        require(
+            self.prompt_logprobs is None
+            or (
+                isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+            ),
+            "prompt_logprobs",
+            f"must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.prompt_logprobs!r}",
+        )
+        _check_token_controls(self)
+        require(
+            self.truncate_prompt_tokens is None
+            or (isinstance(self.truncate_prompt_tokens, int) and self.truncate_prompt_tokens >= 1),
+            "truncate_prompt_tokens",
+            f"must be an integer >= 1 or None, got {self.truncate_prompt_tokens!r}",
         )
         require(
             isinstance(self.min_tokens, int) and self.min_tokens >= 0,
@@ -164,3 +191,37 @@ def _check_structured_outputs(value: object) -> None:
         "structured_outputs",
         f"must be a StructuredOutputsParams or None, got {type(value).__name__}",
     )
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_token_controls(params: SamplingParams) -> None:
+    """Shapes and ranges; the engine checks ids against the vocabulary."""
+    bias = params.logit_bias
+    if bias is not None:
+        require(isinstance(bias, dict), "logit_bias", "must map token ids to biases")
+        for token, value in bias.items():
+            require(_is_token_id(token), "logit_bias", f"{token!r} is not a token id (an int >= 0)")
+            require(
+                isinstance(value, (int, float)) and -100 <= value <= 100,
+                "logit_bias",
+                f"the bias of token {token} must be a number in [-100, 100], got {value!r}",
+            )
+    allowed = params.allowed_token_ids
+    if allowed is not None:
+        require(
+            isinstance(allowed, list) and len(allowed) > 0,
+            "allowed_token_ids",
+            "must be a non-empty list of token ids",
+        )
+        bad = next((t for t in allowed if not _is_token_id(t)), None)
+        require(bad is None, "allowed_token_ids", f"{bad!r} is not a token id (an int >= 0)")
+    words = params.bad_words
+    if words is not None:
+        require(
+            isinstance(words, list) and all(isinstance(w, str) and w for w in words),
+            "bad_words",
+            "must be a list of non-empty strings",
+        )

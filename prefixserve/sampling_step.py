@@ -14,6 +14,7 @@ when the batched call raises, it is retried request by request to find the culpr
 
 from __future__ import annotations
 
+from collections.abc import Sequence as SequenceABC
 from collections.abc import Set
 from dataclasses import dataclass, field
 
@@ -21,7 +22,8 @@ import torch
 
 from prefixserve import beam_search
 from prefixserve.beam_search import BeamStep
-from prefixserve.sampler import Sampler, SamplerOutput, SamplingMetadata
+from prefixserve.sampler import Sampler, SamplerOutput
+from prefixserve.sampling_metadata import SamplingMetadata
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.scheduler_output import ScheduledSeq
 from prefixserve.sequence import Request, Sequence
@@ -42,11 +44,13 @@ class SampledToken:
 class SamplingResult:
     """``tokens``: per sampling sequence, its sampled token (n tokens for a first sample that
     forks). ``beams``: per beam-search request, its step. ``failed``: requests to end with an
-    error, and why."""
+    error, and why. ``prompt_logprobs``: what this step scored of prompts that asked for it."""
 
     tokens: list[tuple[ScheduledSeq, list[SampledToken]]] = field(default_factory=list)
     beams: list[tuple[Request, BeamStep]] = field(default_factory=list)
     failed: list[tuple[Request, str]] = field(default_factory=list)
+    # (request, position of the first entry, one {token: logprob} per prompt position)
+    prompt_logprobs: list[tuple[Request, int, list[dict[int, float]]]] = field(default_factory=list)
 
 
 # (scheduled sequence, row of the step's logits, sample index): one sampled token each
@@ -64,9 +68,19 @@ class SamplingStep:
         self.eos_token_ids = eos_token_ids
         self.structured_outputs = structured_outputs
 
-    def sample(self, samplers: list[ScheduledSeq], logits: torch.Tensor) -> SamplingResult:
-        """``logits[i]`` belongs to ``samplers[i]``."""
+    def sample(
+        self,
+        samplers: list[ScheduledSeq],
+        logits: torch.Tensor,
+        prompt_logits: SequenceABC[tuple[ScheduledSeq, torch.Tensor]] = (),
+    ) -> SamplingResult:
+        """``logits[i]`` belongs to ``samplers[i]``; ``prompt_logits`` score prompt tokens."""
         result = SamplingResult()
+        for sched, rows in prompt_logits:
+            try:
+                result.prompt_logprobs.append(_prompt_logprobs(sched, rows))
+            except Exception as exc:
+                result.failed.append((sched.request, describe_error(exc, "prompt logprobs")))
         rows: list[_Row] = []
         beam_rows: dict[str, list[int]] = {}
         for i, sched in enumerate(samplers):
@@ -123,7 +137,9 @@ class SamplingStep:
             output_token_ids=[s.output_token_ids for s in seqs],
             prompt_token_ids=[sched.request.prompt_token_ids for sched, _, _ in rows],
             generators=generators,
-            banned_token_ids=[self._banned_tokens(p, s) for p, s in zip(params, seqs)],
+            banned_token_ids=[
+                self._banned_tokens(sched.request, sched.seq) for sched, _, _ in rows
+            ],
             device=logits.device,
         )
         metadata.bitmask_rows = [j for j, s in enumerate(seqs) if s.grammar is not None]
@@ -137,14 +153,23 @@ class SamplingStep:
         self.structured_outputs.fill_bitmasks([seqs[j].grammar for j in rows], bitmask, rows)
         return bitmask
 
-    def _banned_tokens(self, params: SamplingParams, seq: Sequence) -> list[int]:
-        """EOS and stop token ids may not be sampled before ``min_tokens``; under a grammar,
-        which alone decides where the output may end, only the stop token ids."""
-        if seq.num_output_tokens >= params.min_tokens:
-            return []
-        banned = list(params.stop_token_ids)
-        if not params.ignore_eos and seq.grammar is None:
-            banned.extend(self.eos_token_ids)
+    def _banned_tokens(self, request: Request, seq: Sequence) -> list[int]:
+        """Tokens this sequence may not sample now: the last token of a bad word whose other
+        tokens end its output; and before ``min_tokens``, EOS and the stop token ids (under a
+        grammar, which alone decides where the output may end, only the stop token ids)."""
+        params: SamplingParams = request.params  # type: ignore[assignment]
+        output = seq.output_token_ids
+        banned = []
+        for word in request.bad_words_token_ids:
+            before = len(word) - 1  # tokens that must end the output for the last one to be banned
+            if before == 0 or (
+                len(output) >= before and output[len(output) - before :] == word[:-1]
+            ):
+                banned.append(word[-1])
+        if seq.num_output_tokens < params.min_tokens:
+            banned.extend(params.stop_token_ids)
+            if not params.ignore_eos and seq.grammar is None:
+                banned.extend(self.eos_token_ids)
         return banned
 
     @staticmethod
@@ -178,6 +203,26 @@ class SamplingStep:
             result.failed.append((request, describe_error(exc, "beam search")))
             return
         result.beams.append((request, step))
+
+
+def _prompt_logprobs(
+    sched: ScheduledSeq, logits: torch.Tensor
+) -> tuple[Request, int, list[dict[int, float]]]:
+    """Row ``j`` of ``logits`` (position ``start + j``) scores the prompt token at ``start + j + 1``:
+    its logprob and the request's top k, from the raw logits."""
+    request, start = sched.request, sched.seq.num_computed_tokens
+    targets = request.prompt_token_ids[start + 1 : start + 1 + logits.shape[0]]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    index = torch.tensor(targets, device=logits.device)[:, None]
+    chosen = logprobs.gather(1, index)[:, 0].tolist()
+    top_lps, top_ids = logprobs.topk(request.num_prompt_logprobs or 0, dim=-1)
+    entries = []
+    for target, lp, ids, lps in zip(targets, chosen, top_ids.tolist(), top_lps.tolist()):
+        entry = {target: lp}
+        for tid, tlp in zip(ids, lps):
+            entry.setdefault(tid, tlp)
+        entries.append(entry)
+    return request, start + 1, entries
 
 
 def describe_error(exc: Exception, stage: str) -> str:

@@ -258,7 +258,7 @@ class Scheduler:
         hits: list[int] = []
         lockstep = request.is_beam_search and len(request.live_seqs()) > 1
         for seq in request.live_seqs():
-            hit = self._lookup(seq)
+            hit = self._lookup(request, seq)
             remaining = seq.num_tokens - hit.num_tokens
             n = min(remaining - 1 if lockstep else remaining, budget)
             chunked_out = n < remaining and not self.config.enable_chunked_prefill and not lockstep
@@ -283,9 +283,11 @@ class Scheduler:
             self.kv.free(sched.seq.seq_id)
             sched.seq.num_computed_tokens = 0
 
-    def _lookup(self, seq: Sequence) -> PrefixHit:
-        hashes = seq.block_hashes if self.enable_caching else []
-        return self.kv.lookup(seq.token_ids, hashes)
+    def _lookup(self, request: Request, seq: Sequence) -> PrefixHit:
+        """The cached prefix ``seq`` may start from; none for a request that scores its prompt
+        (``prompt_logprobs``: a cached block has no logits, so every position is computed)."""
+        use = self.enable_caching and request.num_prompt_logprobs is None
+        return self.kv.lookup(seq.token_ids, seq.block_hashes if use else [])
 
     def _reorder_waiting_by_prefix(self) -> None:
         """Sort the head of the queue by cached prefix length plus aging (``prefix`` policy)."""
@@ -295,7 +297,7 @@ class Scheduler:
         ]
 
         def priority(request: Request) -> float:
-            cached = self._lookup(request.live_seqs()[0]).num_tokens
+            cached = self._lookup(request, request.live_seqs()[0]).num_tokens
             return cached + AGING_TOKENS_PER_SECOND * (now - request.arrival_time)
 
         window.sort(key=priority, reverse=True)
@@ -331,6 +333,10 @@ class Scheduler:
             computed = min(seq.num_prompt_tokens, seq.num_computed_tokens) - start
             self.computed_prompt_tokens += max(0, computed)
         touched: dict[str, Request] = {r.request_id: r for r in out.finished}
+        for request, first, entries in result.prompt_logprobs:
+            scored = request.prompt_logprobs
+            assert first <= len(scored), "prompt logprobs arrive in position order"
+            scored.extend(entries[len(scored) - first :])  # a recomputed chunk adds nothing new
         updates = [(sched.request, self._append_samples, sched.seq, tokens)
                    for sched, tokens in result.tokens]  # fmt: skip
         updates += [(request, self._apply_beam_step, step) for request, step in result.beams]

@@ -121,12 +121,21 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_cached_tokens: int | None = None  # prompt tokens hit in the prefix cache at first admission
     error: str | None = None  # set when the engine failed this request alone
+    # prompt_logprobs: per prompt position so far, None for the first (nothing predicts it)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # bad_words as token sequences: the last token is banned after the ones before it
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # beam search: finished hypotheses kept aside, best first, at most beam_width
     finished_beams: list = field(default_factory=list)
 
     @property
     def is_beam_search(self) -> bool:
         return isinstance(self.params, BeamSearchParams)
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """``prompt_logprobs`` of the request's parameters (None: not asked for)."""
+        return getattr(self.params, "prompt_logprobs", None)
 
     @property
     def num_samples(self) -> int:

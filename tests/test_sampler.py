@@ -9,16 +9,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prefixserve.logits_processors import apply_penalties, process_logits
 from prefixserve.sampler import (
     Sampler,
-    SamplingMetadata,
-    apply_penalties,
     apply_top_k,
     filtered_probs,
     min_p_drop_mask,
-    process_logits,
     top_p_drop_mask,
 )
+from prefixserve.sampling_metadata import SamplingMetadata
 from prefixserve.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")

@@ -1,0 +1,154 @@
+"""Chat messages -> prompt token ids, through the checkpoint's chat template.
+
+Message ``content`` comes as a string or as OpenAI content parts (``[{"type": "text", "text":
+...}, ...]``). Templates expect one or the other, so content is normalized to the template's
+*content format* first:
+
+    "string"  every content becomes one string (text parts joined with "\\n", as vLLM does)
+    "openai"  every content becomes a list of {"type": "text", "text": ...} parts
+    "auto"    "openai" if the template loops over a message's content, else "string"
+
+So a message renders the same whichever form the client used. Parts other than text (images,
+audio, files) are refused: the models served here read text only.
+
+The template renders text, which is then tokenized without adding special tokens (the template
+writes BOS itself) unless ``add_special_tokens``. ``continue_final_message`` leaves the final
+assistant message open so the model continues it; it excludes ``add_generation_prompt``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.nodes
+
+from prefixserve.errors import InvalidArgumentError
+
+CONTENT_FORMATS = ("auto", "string", "openai")
+_TEXT_PARTS = ("text", "input_text")
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[dict] | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
+    content_format: str = "auto",
+    chat_template: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    documents: list[dict] | None = None,
+) -> list[int]:
+    """Prompt token ids of a conversation; raises ``InvalidArgumentError`` (param "messages" or
+    the option at fault) on anything the template cannot take."""
+    if add_generation_prompt and continue_final_message:
+        raise InvalidArgumentError(
+            "continue_final_message: cannot be combined with add_generation_prompt=true; set "
+            "add_generation_prompt to false to continue the final assistant message",
+            "continue_final_message",
+        )
+    if continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
+        raise InvalidArgumentError(
+            "continue_final_message: the last message must be the assistant's, to continue it",
+            "continue_final_message",
+        )
+    if content_format not in CONTENT_FORMATS:
+        raise InvalidArgumentError(
+            f"chat_template_content_format: must be one of {CONTENT_FORMATS}, got "
+            f"{content_format!r}",
+            "chat_template_content_format",
+        )
+    template = chat_template or tokenizer.chat_template
+    fmt = content_format
+    if fmt == "auto":
+        fmt = detect_content_format(template) if isinstance(template, str) else "string"
+    conversation = [_normalize(i, m, fmt) for i, m in enumerate(messages)]
+    kwargs = dict(chat_template_kwargs or {})
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation,
+            tools=tools,
+            documents=documents,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **kwargs,
+        )
+    except Exception as exc:
+        raise InvalidArgumentError(
+            f"messages: the chat template failed: {exc}", "messages"
+        ) from exc
+    return tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+
+def _normalize(index: int, message: dict[str, Any], fmt: str) -> dict[str, Any]:
+    """The message with its content in ``fmt``; a non-text part is an error."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise InvalidArgumentError(
+            f"messages[{index}]: every message needs a string 'role'", "messages"
+        )
+    content = message.get("content")
+    if content is None:
+        return message
+    if isinstance(content, str):
+        texts = [content]
+    elif isinstance(content, list):
+        texts = [_part_text(index, j, part) for j, part in enumerate(content)]
+    else:
+        raise InvalidArgumentError(
+            f"messages[{index}].content: must be a string or a list of content parts", "messages"
+        )
+    if fmt == "string":
+        return {**message, "content": "\n".join(texts)}
+    return {**message, "content": [{"type": "text", "text": t} for t in texts]}
+
+
+def _part_text(index: int, j: int, part: Any) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in _TEXT_PARTS:
+        raise InvalidArgumentError(
+            f"messages[{index}].content[{j}]: this model accepts text only (got a {kind!r} "
+            "part); send text parts or a string",
+            "messages",
+        )
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise InvalidArgumentError(
+            f"messages[{index}].content[{j}]: a text part needs a string 'text'", "messages"
+        )
+    return text
+
+
+@lru_cache(maxsize=32)
+def detect_content_format(template: str) -> str:
+    """ "openai" if the template loops over a message's content (directly, or over a variable
+    set from it), else "string" (vLLM's ``--chat-template-content-format auto``)."""
+    try:
+        ast = jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+    content_vars = {
+        node.target.name
+        for node in ast.find_all(jinja2.nodes.Assign)
+        if isinstance(node.target, jinja2.nodes.Name) and _is_content(node.node, set())
+    }
+    for loop in ast.find_all(jinja2.nodes.For):
+        if _is_content(loop.iter, content_vars):
+            return "openai"
+    return "string"
+
+
+def _is_content(node: jinja2.nodes.Node, content_vars: set[str]) -> bool:
+    """``x.content``, ``x['content']`` or a variable set from one of those."""
+    if isinstance(node, jinja2.nodes.Getattr):
+        return node.attr == "content"
+    if isinstance(node, jinja2.nodes.Getitem):
+        return isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == "content"
+    if isinstance(node, jinja2.nodes.Name):
+        return node.name in content_vars
+    return False
