@@ -8,6 +8,13 @@ package is first imported. ``interpreter_enabled`` reports which of the two happ
 from __future__ import annotations
 
 from prefixserve.kernels.block_copy import copy_blocks
+from prefixserve.kernels.cascade_attention import (
+    CascadeGroups,
+    cascade_decode_attention,
+    cascade_pays,
+    merge_attn_states,
+    shared_prefix_attention,
+)
 from prefixserve.kernels.decode_attention import decode_attention, default_num_splits
 from prefixserve.kernels.extend_attention import extend_attention
 from prefixserve.kernels.kv_store import store_kv_cache
@@ -22,10 +29,15 @@ def interpreter_enabled() -> bool:
 
 
 __all__ = [
+    "CascadeGroups",
+    "cascade_decode_attention",
+    "cascade_pays",
     "copy_blocks",
     "decode_attention",
     "default_num_splits",
     "extend_attention",
     "interpreter_enabled",
+    "merge_attn_states",
+    "shared_prefix_attention",
     "store_kv_cache",
 ]

@@ -1,7 +1,7 @@
 """Paged decode attention: one query token per sequence, split-K over its context (flash-decoding).
 
 Stage 1, grid ``(num_seqs, num_kv_heads, num_splits)``: a program owns one sequence, one KV head
-and one contiguous slice of the context. All ``GROUP = num_heads // num_kv_heads`` query heads
+and one contiguous slice of its context. All ``GROUP = num_heads // num_kv_heads`` query heads
 that share the KV head are processed together as the rows of a ``[BLOCK_H, BLOCK_D]`` tile
 (GQA grouping; ``BLOCK_H >= 16`` so ``tl.dot`` is legal on GPUs, padded rows are masked). The
 program walks its slice in tiles of ``BLOCK_N`` tokens; every token finds its physical slot
@@ -9,11 +9,17 @@ through the block table, so a tile may span several cache blocks (any power-of-t
 and one block may span several tiles. An online softmax in base 2 keeps a running max ``m``,
 sum ``l`` and accumulator; the program writes ``acc / l`` and ``lse = m + log2(l)``.
 
-    context of sequence b:  |--- split 0 ---|--- split 1 ---| ... |-- split S-1 --|
-    split length:           ceil(ceil(seq_len / S) / BLOCK_N) * BLOCK_N   (late splits may be empty)
+A sequence's context starts at ``context_starts[b]`` (default 0). Cascade attention sets it past
+a shared prefix that another kernel attends to once for the whole group (cascade_attention.py)::
 
-Stage 2, grid ``(num_seqs, num_heads)``: merges the splits of one head by their log-sum-exp.
-An empty split stores ``lse = -inf`` and a zero partial output, so its weight is exactly 0.
+    positions of sequence b:  0 ... start_b | start_b ............................. seq_len_b
+                                            |--- split 0 ---| ... |-- split S-1 --|
+    split length:  ceil(ceil((seq_len_b - start_b) / S) / BLOCK_N) * BLOCK_N  (some may be empty)
+
+Stage 2, grid ``(num_seqs, num_heads)``: merges the splits of one head by their log-sum-exp, and
+optionally stores the merged lse (natural log). An empty split stores ``lse = -inf`` and a zero
+partial output, so its weight is exactly 0; an empty context (every split empty) gives a zero
+output and ``lse = -inf``.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
+_LN2 = tl.constexpr(0.6931471805599453)  # read inside kernels, so a constexpr
 _MAX_SPLITS = 64
 _MIN_TOKENS_PER_SPLIT = 256
 _TARGET_PROGRAMS = 1024
@@ -35,6 +42,7 @@ def _decode_split_kernel(
     v_cache_ptr,
     block_tables_ptr,
     seq_lens_ptr,
+    context_starts_ptr,
     part_out_ptr,
     part_lse_ptr,
     sm_scale_log2,
@@ -58,13 +66,17 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    HAS_STARTS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    ctx_start = 0
+    if HAS_STARTS:
+        ctx_start = tl.load(context_starts_ptr + seq)
+    split_len = tl.cdiv(tl.cdiv(seq_len - ctx_start, num_splits), BLOCK_N) * BLOCK_N
+    start = ctx_start + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -124,6 +136,7 @@ def _decode_merge_kernel(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
+    lse_ptr,
     num_splits,
     stride_pt,
     stride_ph,
@@ -132,9 +145,12 @@ def _decode_merge_kernel(
     stride_lh,
     stride_ot,
     stride_oh,
+    stride_ft,
+    stride_fh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    STORE_LSE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -145,7 +161,9 @@ def _decode_merge_kernel(
     lse = tl.load(
         part_lse_ptr + seq * stride_lt + head * stride_lh + offs_s, mask=mask_s, other=float("-inf")
     )
-    weight = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 is never empty, so the max is finite
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # an empty context: every weight is 0
+    weight = tl.exp2(lse - m)
     parts = tl.load(
         part_out_ptr
         + seq * stride_pt
@@ -155,12 +173,17 @@ def _decode_merge_kernel(
         mask=mask_s[:, None] & mask_d[None, :],
         other=0.0,
     )
-    out = tl.sum(weight[:, None] * parts, axis=0) / tl.sum(weight, axis=0)
+    total = tl.sum(weight, axis=0)
+    out = tl.sum(weight[:, None] * parts, axis=0) / tl.where(total > 0.0, total, 1.0)
     tl.store(
         out_ptr + seq * stride_ot + head * stride_oh + offs_d,
         out.to(out_ptr.dtype.element_ty),
         mask=mask_d,
     )
+    if STORE_LSE:  # natural log: m and log2(total) are base 2
+        lse_out = (m + tl.log2(tl.where(total > 0.0, total, 1.0))) * _LN2
+        lse_out = tl.where(total > 0.0, lse_out, float("-inf"))
+        tl.store(lse_ptr + seq * stride_ft + head * stride_fh, lse_out)
 
 
 def dot_operands(dtype: torch.dtype, device: torch.device) -> tuple[tl.dtype, str]:
@@ -201,6 +224,8 @@ def decode_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
+    context_starts: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context; writes and returns ``out``.
 
@@ -209,7 +234,70 @@ def decode_attention(
     ``block_tables``: ``[num_seqs, max_blocks]`` int32; ``seq_lens``: ``[num_seqs]`` (each >= 1,
     the query's own token included). ``max_seq_len`` (a host int, an upper bound is fine) only
     sizes the split count; ``num_splits``/``block_n``/``num_warps`` override the tuned defaults.
+
+    ``context_starts`` (``[num_seqs]`` int32, default all 0): the query attends to positions
+    ``context_starts[b] .. seq_lens[b] - 1`` only (cascade attention: the rest is a shared
+    prefix attended elsewhere); ``max_seq_len`` then only needs to bound ``seq_len - start``.
+    ``lse`` (``[num_seqs, num_heads]`` float32, optional) receives each row's log-sum-exp of
+    ``scale * q.k`` over those positions, natural log, ``-inf`` for an empty range.
     """
+    part_out, part_lse = decode_splits(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        max_seq_len,
+        num_splits,
+        block_n,
+        num_warps,
+        context_starts,
+    )
+    num_seqs, num_heads, head_dim = query.shape
+    num_splits = part_out.shape[2]
+    store_lse = lse is not None
+    _decode_merge_kernel[(num_seqs, num_heads)](
+        part_out,
+        part_lse,
+        out,
+        lse if store_lse else part_lse,
+        num_splits,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0) if store_lse else 0,
+        lse.stride(1) if store_lse else 0,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        STORE_LSE=store_lse,
+        num_warps=4,
+    )
+    return out
+
+
+def decode_splits(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    context_starts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1 of ``decode_attention`` alone (arguments as there): returns each split's partial
+    output ``[num_seqs, num_heads, num_splits, head_dim]`` and its lse ``[num_seqs, num_heads,
+    num_splits]``, both float32, lse in base 2 (empty split: zeros and ``-inf``). Cascade
+    attention merges these with the shared-prefix parts in one pass."""
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -220,7 +308,6 @@ def decode_attention(
         block_n = 32 if on_cpu else (64 if max_seq_len <= 4096 else 128)
     if num_warps is None:
         num_warps = 4
-    block_d = max(16, triton.next_power_of_2(head_dim))
     part_out = torch.empty(
         (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
     )
@@ -234,6 +321,7 @@ def decode_attention(
         v_cache,
         block_tables,
         seq_lens,
+        seq_lens if context_starts is None else context_starts,
         part_out,
         part_lse,
         scale * _LOG2E,
@@ -252,29 +340,13 @@ def decode_attention(
         GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         DOT_DTYPE=dot_dtype,
         PRECISION=precision,
+        HAS_STARTS=context_starts is not None,
         num_warps=num_warps,
         num_stages=2,
     )
-    _decode_merge_kernel[(num_seqs, num_heads)](
-        part_out,
-        part_lse,
-        out,
-        num_splits,
-        part_out.stride(0),
-        part_out.stride(1),
-        part_out.stride(2),
-        part_lse.stride(0),
-        part_lse.stride(1),
-        out.stride(0),
-        out.stride(1),
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_S=triton.next_power_of_2(num_splits),
-        num_warps=4,
-    )
-    return out
+    return part_out, part_lse

@@ -64,6 +64,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs: run decode steps eagerly too",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--kv-events-endpoint",
@@ -89,6 +94,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         device=args.device,
         dtype=args.dtype,
         attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
         seed=args.seed,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,

@@ -23,6 +23,8 @@ class EngineConfig:
     the text it forces (JSON keys, a forced tool call's name) without sampling it token by token.
     ``kv_events_endpoint`` (e.g. ``tcp://*:5557``): publish the prefix cache's changes there
     (vLLM's KV-event format, ZMQ PUB), with a replay socket at ``kv_events_replay_endpoint``.
+    ``enforce_eager``: run every step eagerly; otherwise, on CUDA with the Triton backend, decode
+    steps replay CUDA graphs captured at start-up (``prefixserve.cuda_graphs``).
     """
 
     model: str | None = None
@@ -45,6 +47,7 @@ class EngineConfig:
     revision: str | None = None
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -84,6 +87,11 @@ class EngineConfig:
             self.scheduling_policy in _POLICIES,
             "scheduling_policy",
             f"must be one of {_POLICIES}, got {self.scheduling_policy!r}",
+        )
+        require(
+            isinstance(self.enforce_eager, bool),
+            "enforce_eager",
+            f"must be True or False, got {self.enforce_eager!r}",
         )
         require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         require(

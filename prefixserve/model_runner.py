@@ -2,7 +2,8 @@
 
 Per step: perform the copy-on-write block copies, lay the batch out (decodes first; sequences
 that share leading blocks next to each other, so each prefix group's tokens are one slice), build
-``input_ids`` and the ``AttentionMetadata``, run the model once, and compute logits only at the
+``input_ids`` and the ``AttentionMetadata``, run the model once (a decode step on CUDA replays a
+CUDA graph captured at start-up, ``prefixserve.cuda_graphs``), and compute logits only at the
 last token of every sequence that samples. It reads sequences and never changes them.
 """
 
@@ -18,6 +19,7 @@ import torch
 from prefixserve.attention.metadata import SeqSpan, build_attention_metadata
 from prefixserve.attention.selector import get_attention_backend
 from prefixserve.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
+from prefixserve.cuda_graphs import CUDAGraphRunner
 from prefixserve.errors import CacheCapacityError, InvalidArgumentError
 from prefixserve.models.loader import load_model
 from prefixserve.scheduler_output import ScheduledSeq, SchedulerOutput
@@ -65,6 +67,8 @@ class ModelRunner:
         )
         self.dtype = next(self.model.parameters()).dtype
         self.block_size = config.block_size
+        # decode steps replay CUDA graphs (None: off); their memory is left out of the KV budget
+        self.graphs = CUDAGraphRunner.create(config, self.model, self.attn_backend)
         self.num_blocks = self._num_kv_blocks()
         mc = self.model_config
         shape = (mc.num_hidden_layers, 2, self.num_blocks, self.block_size,
@@ -76,6 +80,8 @@ class ModelRunner:
             self.block_size,
             self.kv_caches.numel() * self.kv_caches.element_size() / 2**30,
         )
+        if self.graphs is not None:
+            self.graphs.capture(self.kv_caches)
 
     def _bytes_per_block(self) -> int:
         mc = self.model_config
@@ -88,8 +94,9 @@ class ModelRunner:
         if self.config.kv_cache_memory_gb is not None:
             budget = self.config.kv_cache_memory_gb * 2**30
         elif self.device.type == "cuda":
+            graphs = self.graphs.profile() if self.graphs is not None else 0
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = 0.9 * free
+            budget = 0.9 * free - graphs
         else:
             budget = DEFAULT_CPU_KV_CACHE_GB * 2**30
         num_blocks = int(budget // self._bytes_per_block())
@@ -136,7 +143,11 @@ class ModelRunner:
             keep = (torch.tensor(sample_rows, dtype=torch.int64, device=self.device), row_meta)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         t1 = time.perf_counter()
-        hidden = self.model(ids, positions, self.kv_caches, meta, keep)
+        hidden = None
+        if self.graphs is not None:  # a decode step replays its batch size's graph
+            hidden = self.graphs.run(ids, positions, self.kv_caches, meta, keep)
+        if hidden is None:
+            hidden = self.model(ids, positions, self.kv_caches, meta, keep)
         if keep is None and len(samplers) < len(input_ids):
             logits = self.model.compute_logits(hidden[sample_rows])
         else:

@@ -1,17 +1,42 @@
-"""The Triton attention backend: paged KV store, split-K decode and prefix-extend kernels.
+"""The Triton attention backend: paged KV store, split-K decode, cascade decode, prefix-extend.
 
-One ``forward`` over the flattened batch launches at most four kernels and never syncs::
+One ``forward`` over the flattened batch launches a few kernels and never syncs the device::
 
     tokens:  | decode 0 | ... | decode D-1 | prefill chunk D ...... | prefill chunk S-1 ... |
     kernel:  store_kv_cache over all tokens (slots of -1 skipped), then
              decode_attention (split-K + merge)    extend_attention (cached prefix + causal)
+             or, with cascade groups, cascade_decode_attention (shared + suffix + merge)
 
-Host-side sizes come from the metadata's host fields (``max_seq_len``, ``max_query_len``), never
+Cascade decode. ``AttentionMetadata.prefix_groups`` (planned by ``plan_prefix_groups``, the
+planner the torch backend uses; nested sharing is already split there into disjoint groups, each
+at the depth that reads the fewest blocks) names sequences whose block tables start with the same
+blocks. The decode members of a group form a *cascade group* when ``cascade_pays``::
+
+    decode b of group g:  | shared blocks of g (read ONCE for the group) | b's own suffix |
+    kernels:                shared-prefix kernel, all of g's queries      decode kernel,
+                            in one batched call                           context_starts
+                            -> merged by log-sum-exp in one pass (cascade_decode_attention)
+
+Decodes in no cascade group attend to their whole context in the same decode kernel launch
+(``context_starts`` 0); prefill chunks, in a group or not, keep the extend kernel over their
+whole context. ``cascade_pays`` (kernels/cascade_attention.py) weighs the K/V bytes a group saves
+(``(members - 1) * shared_len`` tokens a layer) against one more launch and the float32 partials
+the merge reads: on Qwen3-0.6B's shape (8 KV heads x 128, bf16) 8 decodes pay from a shared
+prefix of ~440 tokens, 32 from ~110, 2 from ~2,960, and never when the saving is under 10% of the
+group's traffic. ``TritonAttentionBackend(cascade=True)`` takes every group with a decode (tests,
+benchmarks), ``cascade=False`` none.
+
+The step's plan (which groups take cascade, their index tensors) is derived once, on the first
+layer, kept in ``AttentionMetadata.backend_plan`` and reused by every later layer; its index
+vectors reach the device in one pinned, non-blocking copy. Host-side sizes (grids, split counts)
+come from the metadata's host fields (``max_seq_len``, ``max_query_len``, ``seq_lens_cpu``), never
 from device tensors. On CPU the kernels run through Triton's interpreter (tests only).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib.util import find_spec
 
 import torch
@@ -22,6 +47,9 @@ from prefixserve.errors import BackendUnavailableError
 
 if find_spec("triton") is not None:
     from prefixserve.kernels import (
+        CascadeGroups,
+        cascade_decode_attention,
+        cascade_pays,
         copy_blocks,
         decode_attention,
         extend_attention,
@@ -62,16 +90,81 @@ def check_triton_available(device: torch.device | str) -> None:
         )
 
 
+def cascade_decode_groups(
+    prefix_groups: Sequence[tuple[Sequence[int], int]],
+    num_decodes: int,
+    seq_lens: Sequence[int],
+    block_size: int,
+    kv_bytes_per_token: int,
+    cascade: bool | None = None,
+) -> list[tuple[list[int], int]]:
+    """The prefix groups whose decodes take the cascade path: ``(decode members, shared blocks)``.
+
+    A group keeps its decode members (sequences ``< num_decodes``); it is taken when ``cascade``
+    is True and it has any, or when ``cascade`` is None and ``cascade_pays`` for them
+    (``kv_bytes_per_token``: K and V of one token in one layer). Pure Python, per step.
+    """
+    if cascade is False:
+        return []
+    taken = []
+    for members, num_blocks in prefix_groups:
+        decodes = [i for i in members if i < num_decodes]
+        if not decodes:
+            continue
+        shared_len = num_blocks * block_size
+        suffixes = [seq_lens[i] - shared_len for i in decodes]
+        if cascade or cascade_pays(len(decodes), shared_len, suffixes, kv_bytes_per_token):
+            taken.append((decodes, num_blocks))
+    return taken
+
+
+@dataclass(frozen=True, slots=True)
+class TritonStepPlan:
+    """How one step's decodes read the cache: ``cascade`` lays out the cascade groups (None: every
+    decode takes the plain decode kernel). Built once per step by ``TritonAttentionBackend.plan``."""
+
+    cascade: CascadeGroups | None
+
+
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention with Triton kernels; decodes (first ``num_decodes`` sequences) take the
-    split-K decode kernel, prefill chunks the prefix-extend kernel. ``device``, when given, is
-    checked with ``check_triton_available`` at construction."""
+    split-K decode kernel, or the cascade kernels for prefix groups (``cascade``: None decides
+    per group with ``cascade_pays``, True takes every group with a decode, False none); prefill
+    chunks take the prefix-extend kernel. ``device``, when given, is checked with
+    ``check_triton_available`` at construction."""
 
     name = "triton"
 
-    def __init__(self, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self, device: torch.device | str | None = None, cascade: bool | None = None
+    ) -> None:
         if device is not None:
             check_triton_available(device)
+        self.cascade = cascade
+
+    def plan(self, md: AttentionMetadata, kv_cache: torch.Tensor) -> TritonStepPlan:
+        """The step's plan, built on the first call (``kv_cache``: one layer's, for its shape)
+        and kept in ``md.backend_plan`` for every later layer."""
+        if md.backend_plan is None:
+            md.backend_plan = TritonStepPlan(self._cascade_groups(md, kv_cache))
+        return md.backend_plan
+
+    def _cascade_groups(
+        self, md: AttentionMetadata, kv_cache: torch.Tensor
+    ) -> CascadeGroups | None:
+        nd = md.num_decodes
+        if nd == 0 or not md.prefix_groups:
+            return None
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        kv_bytes = 2 * num_kv_heads * head_dim * kv_cache.element_size()
+        groups = cascade_decode_groups(
+            md.prefix_groups, nd, md.seq_lens_cpu, block_size, kv_bytes, self.cascade
+        )
+        if not groups:
+            return None
+        return CascadeGroups.build(
+            groups, md.block_tables[:nd], range(nd + 1), md.seq_lens_cpu[:nd], block_size
+        )
 
     def forward(
         self,
@@ -86,9 +179,21 @@ class TritonAttentionBackend(AttentionBackend):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         query = _last_dim_contiguous(query)
         self.store_kv(key, value, kv_cache, md.slot_mapping)
+        groups = self.plan(md, kv_cache).cascade
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         nd = md.num_decodes
-        if nd > 0:
+        if nd > 0 and groups is not None:
+            cascade_decode_attention(
+                query[:nd],
+                k_cache,
+                v_cache,
+                md.block_tables[:nd],
+                md.seq_lens[:nd],
+                groups,
+                scale,
+                out[:nd],
+            )
+        elif nd > 0:
             decode_attention(
                 query[:nd],
                 k_cache,

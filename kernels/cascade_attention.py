@@ -1,0 +1,689 @@
+"""Cascade decode attention: a prefix group's shared K/V is read once for all of its queries.
+
+Sequences of a prefix group start with the same physical blocks (one system prompt behind many
+agents, forked samples, beams). Attention over a context splits into parts merged by log-sum-exp
+(see ``TorchAttentionBackend``); here each query's context is two parts::
+
+    positions of member b:   0 ............... shared_len | shared_len ........... seq_len_b - 1
+    part 1 (shared kernel):  every query token of the group, one program per tile of the group's
+                             query rows: each K/V tile of the shared blocks is loaded once per group
+    part 2 (decode kernel):  each member alone over its suffix (decode_attention with
+                             context_starts = shared_len); a sequence in no group starts at 0
+
+``CascadeGroups`` lays the groups out as tensors, built once per step and reused by every layer.
+Example: 7 decode tokens (token t is sequence t), group 0 = {0, 3, 4}, group 1 = {2, 5}::
+
+    token t:                  0    1    2    3    4    5    6
+    group of t:               0    -    1    0    0    1    -
+    token_idx   [N]         = [0, 3, 4, 2, 5]       group 0's tokens, then group 1's (N = 5 rows)
+    token_start [G + 1]     = [0, 3, 5]             group g owns rows token_start[g] .. [g + 1]
+    token_rows  [T]         = [0, -1, 3, 1, 2, 4, -1]   row of token t in token_idx, -1 outside
+    shared_block_tables [G, max_shared_blocks]      group g's shared blocks (later columns unread)
+    shared_lens [G]         = tokens in those blocks
+    context_starts [num_seqs] = [L0, 0, L1, L0, L0, L1, 0]   where each member's suffix starts
+
+Shared kernel, grid ``(row tiles, G, num_kv_heads * num_splits)``: a program owns ``BLOCK_M``
+rows of one group and all ``GROUP`` query heads of one KV head, packed into ``BLOCK_M * BLOCK_G``
+tile rows like extend_attention (tile row ``r`` is group row ``r // BLOCK_G``, head ``r %
+BLOCK_G``), and one slice of the shared length. No mask inside the shared part: every query of
+a group sits after it. It writes a float32 partial output and a base-2 lse per split into
+*compact* buffers ``[N, H, S, D]`` / ``[N, H, S]`` (rows of ``token_idx``, so their size follows
+the group tokens, not the batch).
+
+Merge kernel, grid ``(T, H)``: combines up to two sets of partials per token by log-sum-exp,
+each found through an optional row map (``-1``: absent). ``cascade_decode_attention`` merges
+the decode kernel's splits with the shared kernel's in this one pass (three launches in all,
+no intermediate rounding to the model dtype); ``merge_attn_states`` is the two-part case.
+
+lse convention: every lse this module takes or returns is the natural log of ``sum exp(scale *
+q.k)`` in float32, ``-inf`` for an empty part (as torch's and FlashAttention's). The split
+buffers between the kernels are base 2 (the kernels' online softmax runs on ``exp2``); they
+never leave this module and decode_attention.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from prefixserve.kernels.decode_attention import (
+    decode_attention,
+    decode_splits,
+    default_num_splits,
+    dot_operands,
+)
+
+_LOG2E = 1.4426950408889634
+_LN2 = tl.constexpr(0.6931471805599453)  # read inside kernels, so a constexpr
+
+# cascade_pays (estimates, to be calibrated by a GPU benchmark): the HBM bandwidth a decode
+# kernel sustains, in bytes per microsecond (H100 SXM: 3.35 TB/s peak, H200: 4.8); what cascade
+# adds to a step per layer: one more launch (the shared kernel) plus the ramp and tail between
+# two dependent kernels, a few microseconds without CUDA graphs (assumed 4 us). Its partials
+# (float32 out + lse per member, head and split) are written and read once: per member about
+# the bytes of MERGE_TOKENS_PER_MEMBER K/V tokens (Llama-3-8B: 2 x 32 heads x 128 x 4 bytes).
+HBM_BYTES_PER_US = 3.0e6
+EXTRA_LAUNCH_US = 4.0
+MERGE_TOKENS_PER_MEMBER = 16
+MIN_SAVED_FRACTION = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class CascadeGroups:
+    """A step's prefix groups as the cascade kernels read them (layout in the module docstring).
+
+    Every query token belongs to at most one group, and each group's query tokens all sit after
+    its shared part. Host ints size the grids, so launching never reads a device tensor.
+    """
+
+    token_idx: torch.Tensor  # [N] int32, the groups' query tokens, group by group
+    token_start: torch.Tensor  # [G + 1] int32, group g owns rows token_start[g] .. [g + 1]
+    token_rows: torch.Tensor  # [T] int32, row of token t in token_idx, -1 if in no group
+    shared_block_tables: torch.Tensor  # [G, max_shared_blocks] int32
+    shared_lens: torch.Tensor  # [G] int32, shared positions (tokens) of each group
+    context_starts: torch.Tensor  # [num_seqs] int32, first position after the seq's shared part
+    num_groups: int  # G
+    num_rows: int  # N
+    max_group_tokens: int  # the largest group's query-token count
+    max_shared_len: int
+    max_suffix_len: int  # max over sequences of seq_len - context_start
+
+    @classmethod
+    def build(
+        cls,
+        prefix_groups: Sequence[tuple[Sequence[int], int]],
+        block_tables: torch.Tensor,
+        query_start_loc: Sequence[int],
+        seq_lens: Sequence[int],
+        block_size: int,
+    ) -> CascadeGroups:
+        """From ``AttentionMetadata``'s ``prefix_groups`` (member sequences, shared blocks),
+        ``block_tables`` (device, ``[num_seqs, max_blocks]``) and host lists ``query_start_loc``
+        (``num_seqs + 1`` entries) and ``seq_lens``. Groups may be of one member."""
+        num_tokens = query_start_loc[-1]
+        token_idx: list[int] = []
+        token_start = [0]
+        token_rows = [-1] * num_tokens
+        context_starts = [0] * len(seq_lens)
+        shared_lens = []
+        for members, num_blocks in prefix_groups:
+            shared_len = num_blocks * block_size
+            for i in members:
+                assert context_starts[i] == 0, f"sequence {i} is in two prefix groups"
+                query_len = query_start_loc[i + 1] - query_start_loc[i]
+                assert seq_lens[i] - query_len >= shared_len, "a query inside the shared part"
+                context_starts[i] = shared_len
+                for t in range(query_start_loc[i], query_start_loc[i + 1]):
+                    token_rows[t] = len(token_idx)
+                    token_idx.append(t)
+            token_start.append(len(token_idx))
+            shared_lens.append(shared_len)
+        # One host-to-device copy for all index vectors; the fields are views into it. From
+        # pinned memory it is asynchronous: building a step's groups never waits for the device.
+        leaders = [members[0] for members, _ in prefix_groups]
+        packed = torch.tensor(
+            token_idx + token_start + token_rows + shared_lens + context_starts + leaders,
+            dtype=torch.int32,
+        )
+        if block_tables.device.type == "cuda":
+            packed = packed.pin_memory()
+        packed = packed.to(block_tables.device, non_blocking=True)
+        fields = packed.split(
+            [len(token_idx), len(token_start), num_tokens, len(shared_lens), len(seq_lens)]
+            + [len(leaders)]
+        )
+        max_blocks = max((n for _, n in prefix_groups), default=0)
+        sizes = [token_start[g + 1] - token_start[g] for g in range(len(prefix_groups))]
+        return cls(
+            token_idx=fields[0],
+            token_start=fields[1],
+            token_rows=fields[2],
+            shared_block_tables=block_tables[:, :max_blocks].index_select(0, fields[5]),
+            shared_lens=fields[3],
+            context_starts=fields[4],
+            num_groups=len(prefix_groups),
+            num_rows=len(token_idx),
+            max_group_tokens=max(sizes, default=0),
+            max_shared_len=max(shared_lens, default=0),
+            max_suffix_len=max((n - s for n, s in zip(seq_lens, context_starts)), default=1),
+        )
+
+
+@triton.jit
+def _shared_prefix_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    token_idx_ptr,
+    token_start_ptr,
+    block_tables_ptr,
+    shared_lens_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    sm_scale_log2,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    stride_pr,
+    stride_ph,
+    stride_ps,
+    stride_lr,
+    stride_lh,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    grp = tl.program_id(1)
+    kv_head = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
+    row_start = tl.load(token_start_ptr + grp)
+    num_rows = tl.load(token_start_ptr + grp + 1) - row_start
+    if tile * BLOCK_M >= num_rows:
+        return
+    shared_len = tl.load(shared_lens_ptr + grp)
+    split_len = tl.cdiv(tl.cdiv(shared_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, shared_len)
+
+    offs_r = tl.arange(0, BLOCK_M * BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    row = row_start + tile * BLOCK_M + offs_r // BLOCK_G  # rows of token_idx
+    group_idx = offs_r % BLOCK_G
+    heads = kv_head * GROUP + group_idx
+    mask_r = (row < row_start + num_rows) & (group_idx < GROUP)
+    mask_d = offs_d < HEAD_DIM
+    tok = tl.load(token_idx_ptr + row, mask=mask_r, other=0)
+    q = tl.load(
+        q_ptr
+        + tok[:, None].to(tl.int64) * stride_qt
+        + heads[:, None] * stride_qh
+        + offs_d[None, :],
+        mask=mask_r[:, None] & mask_d[None, :],
+        other=0.0,
+    ).to(DOT_DTYPE)
+
+    # Padded rows hold q = 0: finite scores, masked at the store.
+    m_i = tl.full([BLOCK_M * BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M * BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        pos = tile_start + offs_n
+        mask_n = pos < end
+        block = tl.load(
+            block_tables_ptr + grp * stride_bt + pos // BLOCK_SIZE, mask=mask_n, other=0
+        )
+        slot_off = (
+            block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        )
+        kv_offs = slot_off[:, None] + offs_d[None, :]
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
+        m_i = m_new
+
+    nonempty = l_i > 0.0
+    l_safe = tl.where(nonempty, l_i, 1.0)
+    lse = tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf"))
+    row64 = row.to(tl.int64)
+    tl.store(
+        part_out_ptr
+        + row64[:, None] * stride_pr
+        + heads[:, None] * stride_ph
+        + split * stride_ps
+        + offs_d[None, :],
+        acc / l_safe[:, None],
+        mask=mask_r[:, None] & mask_d[None, :],
+    )
+    tl.store(part_lse_ptr + row64 * stride_lr + heads * stride_lh + split, lse, mask=mask_r)
+
+
+@triton.jit
+def _parts_lse(
+    lse_ptr,
+    rows_ptr,
+    tok,
+    head,
+    num_parts,
+    stride_r,
+    stride_h,
+    stride_s,
+    HAS_ROWS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Row of token ``tok`` in one set of partials, and their lse (-inf: absent)."""
+    row = tok
+    if HAS_ROWS:
+        row = tl.load(rows_ptr + tok)
+    offs_s = tl.arange(0, BLOCK_S)
+    lse = tl.load(
+        lse_ptr + row.to(tl.int64) * stride_r + head * stride_h + offs_s * stride_s,
+        mask=offs_s < tl.where(row >= 0, num_parts, 0),
+        other=float("-inf"),
+    )
+    return row, lse
+
+
+@triton.jit
+def _parts_sum(
+    out_ptr,
+    row,
+    head,
+    weight,
+    stride_r,
+    stride_h,
+    stride_s,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Weighted sum of one set of partial outputs; parts of weight 0 are never read (they may be
+    uninitialised memory, and 0 * nan is nan)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    parts = tl.load(
+        out_ptr
+        + row.to(tl.int64) * stride_r
+        + head * stride_h
+        + offs_s[:, None] * stride_s
+        + offs_d[None, :],
+        mask=(weight > 0.0)[:, None] & (offs_d < HEAD_DIM)[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    return tl.sum(weight[:, None] * parts, axis=0)
+
+
+@triton.jit
+def _merge_kernel(
+    a_out_ptr,
+    a_lse_ptr,
+    a_rows_ptr,
+    b_out_ptr,
+    b_lse_ptr,
+    b_rows_ptr,
+    out_ptr,
+    out_lse_ptr,
+    num_a,
+    num_b,
+    stride_ar,
+    stride_ah,
+    stride_as,
+    stride_alr,
+    stride_alh,
+    stride_als,
+    stride_br,
+    stride_bh,
+    stride_bs,
+    stride_blr,
+    stride_blh,
+    stride_bls,
+    stride_ot,
+    stride_oh,
+    stride_olt,
+    stride_olh,
+    A_ROWS: tl.constexpr,
+    B_ROWS: tl.constexpr,
+    HAS_B: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    LSE_BASE2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SA: tl.constexpr,
+    BLOCK_SB: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    row_a, lse_a = _parts_lse(
+        a_lse_ptr,
+        a_rows_ptr,
+        tok,
+        head,
+        num_a,
+        stride_alr,
+        stride_alh,
+        stride_als,
+        A_ROWS,
+        BLOCK_SA,
+    )
+    m = tl.max(lse_a, axis=0)
+    if HAS_B:
+        row_b, lse_b = _parts_lse(
+            b_lse_ptr,
+            b_rows_ptr,
+            tok,
+            head,
+            num_b,
+            stride_blr,
+            stride_blh,
+            stride_bls,
+            B_ROWS,
+            BLOCK_SB,
+        )
+        m = tl.maximum(m, tl.max(lse_b, axis=0))
+    m = tl.where(m == float("-inf"), 0.0, m)  # nothing to merge: every weight is 0
+    # A part alone (the others' lse -inf) gets weight exactly 1: out and lse come back unchanged.
+    w_a = tl.exp2(lse_a - m) if LSE_BASE2 else tl.exp(lse_a - m)
+    acc = _parts_sum(
+        a_out_ptr, row_a, head, w_a, stride_ar, stride_ah, stride_as, HEAD_DIM, BLOCK_D, BLOCK_SA
+    )
+    total = tl.sum(w_a, axis=0)
+    if HAS_B:
+        w_b = tl.exp2(lse_b - m) if LSE_BASE2 else tl.exp(lse_b - m)
+        acc += _parts_sum(
+            b_out_ptr,
+            row_b,
+            head,
+            w_b,
+            stride_br,
+            stride_bh,
+            stride_bs,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_SB,
+        )
+        total += tl.sum(w_b, axis=0)
+    nonempty = total > 0.0
+    total_safe = tl.where(nonempty, total, 1.0)
+    offs_d = tl.arange(0, BLOCK_D)
+    tl.store(
+        out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+        (acc / total_safe).to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+    if STORE_LSE:  # natural log
+        lse = m * _LN2 + tl.log(total_safe) if LSE_BASE2 else m + tl.log(total_safe)
+        lse = tl.where(nonempty, lse, float("-inf"))
+        tl.store(out_lse_ptr + tok.to(tl.int64) * stride_olt + head * stride_olh, lse)
+
+
+@dataclass(frozen=True, slots=True)
+class _Parts:
+    """Partial results ``out [R, H, S, D]`` and ``lse [R, H, S]``; token t's are at row t, or at
+    ``rows[t]`` when given (``-1``: token t has none)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    rows: torch.Tensor | None = None
+
+
+def _merge(
+    a: _Parts,
+    b: _Parts | None,
+    out: torch.Tensor,
+    out_lse: torch.Tensor | None,
+    lse_base2: bool,
+) -> None:
+    """``out[t]`` (and ``out_lse[t]``, natural log) from token t's partials in ``a`` and ``b``,
+    whose lse are base 2 (the kernels' split buffers) or natural (``lse_base2=False``)."""
+    num_tokens, num_heads, head_dim = out.shape
+    if num_tokens == 0:
+        return
+    b_ = b if b is not None else a
+    _merge_kernel[(num_tokens, num_heads)](
+        a.out,
+        a.lse,
+        a.rows if a.rows is not None else a.lse,
+        b_.out,
+        b_.lse,
+        b_.rows if b_.rows is not None else b_.lse,
+        out,
+        out_lse if out_lse is not None else out,
+        a.out.shape[2],
+        b_.out.shape[2],
+        *a.out.stride()[:3],
+        *a.lse.stride(),
+        *b_.out.stride()[:3],
+        *b_.lse.stride(),
+        out.stride(0),
+        out.stride(1),
+        *(out_lse.stride() if out_lse is not None else (0, 0)),
+        A_ROWS=a.rows is not None,
+        B_ROWS=b_.rows is not None,
+        HAS_B=b is not None,
+        STORE_LSE=out_lse is not None,
+        LSE_BASE2=lse_base2,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SA=triton.next_power_of_2(a.out.shape[2]),
+        BLOCK_SB=triton.next_power_of_2(b_.out.shape[2]),
+        num_warps=1 if out.device.type == "cpu" else 2,
+    )
+
+
+def _shared_parts(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    groups: CascadeGroups,
+    scale: float,
+    num_splits: int | None,
+    block_n: int | None,
+) -> _Parts:
+    """Launch the shared kernel; partials of every group row, each split of the shared length."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    block_g = triton.next_power_of_2(group)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    # Tile shape: rows x BLOCK_N keys. Compiled for sm_90 (bf16, head_dim <= 128), 16 to 64 rows
+    # x 64 keys fit 8 warps without register spills (190-250 registers) where 4 warps spill;
+    # head_dim 256 fits 32 x 32 on 4 warps. The interpreter wants few, large programs.
+    if query.device.type == "cpu":
+        rows, default_block_n, num_warps = 32, 32, 4
+    elif block_d <= 128:
+        rows, default_block_n, num_warps = 64, 64, 8
+    else:
+        rows, default_block_n, num_warps = 32, 32, 4
+    # No more tokens a tile than the largest group has, and at least 16 rows in all: tl.dot
+    # needs M >= 16 on GPUs (padded rows are masked).
+    block_m = max(1, rows // block_g)
+    block_m = min(block_m, triton.next_power_of_2(groups.max_group_tokens))
+    block_m = max(block_m, triton.cdiv(16, block_g))
+    num_tiles = triton.cdiv(groups.max_group_tokens, block_m)
+    if num_splits is None:
+        num_splits = default_num_splits(
+            groups.num_groups * num_tiles, num_kv_heads, groups.max_shared_len, query.device
+        )
+    parts = _Parts(
+        torch.empty(
+            (groups.num_rows, num_heads, num_splits, head_dim),
+            dtype=torch.float32,
+            device=query.device,
+        ),
+        torch.empty(
+            (groups.num_rows, num_heads, num_splits), dtype=torch.float32, device=query.device
+        ),
+        groups.token_rows,
+    )
+    dot_dtype, precision = dot_operands(k_cache.dtype, query.device)
+    grid = (num_tiles, groups.num_groups, num_kv_heads * num_splits)
+    _shared_prefix_kernel[grid](
+        query,
+        k_cache,
+        v_cache,
+        groups.token_idx,
+        groups.token_start,
+        groups.shared_block_tables,
+        groups.shared_lens,
+        parts.out,
+        parts.lse,
+        scale * _LOG2E,
+        num_splits,
+        query.stride(0),
+        query.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        groups.shared_block_tables.stride(0),
+        *parts.out.stride()[:3],
+        parts.lse.stride(0),
+        parts.lse.stride(1),
+        GROUP=group,
+        BLOCK_G=block_g,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n or default_block_n,
+        DOT_DTYPE=dot_dtype,
+        PRECISION=precision,
+        num_warps=num_warps,
+        num_stages=2,
+    )
+    return parts
+
+
+def shared_prefix_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    groups: CascadeGroups,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of every group's query tokens over the group's shared blocks (no mask); writes
+    and returns ``out`` and ``lse``.
+
+    ``query``/``out``: ``[T, num_heads, head_dim]`` (last dim contiguous, ``out`` in any float
+    dtype); ``lse``: ``[T, num_heads]`` float32, natural log. A token in no group gets a zero
+    output and ``lse = -inf``, so ``merge_attn_states`` with its other part returns that part.
+    ``num_splits`` splits the shared length (default: by length and occupancy).
+    """
+    if groups.num_groups == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    parts = _shared_parts(query, k_cache, v_cache, groups, scale, num_splits, block_n)
+    _merge(parts, None, out, lse, lse_base2=True)
+    return out, lse
+
+
+def merge_attn_states(
+    out_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    out_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    out: torch.Tensor,
+    out_lse: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Combine attention over two disjoint key sets: ``out = (e^lse_a out_a + e^lse_b out_b) /
+    (e^lse_a + e^lse_b)``; returns ``out`` and writes ``out_lse = log(e^lse_a + e^lse_b)``.
+
+    ``out_*``: ``[T, H, D]`` (last dim contiguous, any float dtype; ``out`` may alias either
+    input); ``lse_*``: ``[T, H]`` float32, natural log. A part with ``lse = -inf`` is empty: the
+    other is returned exactly (its output is not even read); both empty gives zeros and -inf.
+    """
+    _merge(
+        _Parts(out_a.unsqueeze(2), lse_a.unsqueeze(2)),
+        _Parts(out_b.unsqueeze(2), lse_b.unsqueeze(2)),
+        out,
+        out_lse,
+        lse_base2=False,
+    )
+    return out
+
+
+def cascade_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    groups: CascadeGroups,
+    scale: float,
+    out: torch.Tensor,
+    num_splits: int | None = None,
+    shared_splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """``decode_attention`` (same layouts: query token b is sequence b) that reads each group's
+    shared blocks once for all its members; writes and returns ``out``.
+
+    Three launches: the decode kernel's splits over each sequence's suffix (``context_starts``),
+    the shared kernel over the groups, one merge of both into ``out``. Without groups it is
+    ``decode_attention``. ``num_splits`` / ``shared_splits`` override the split counts of the
+    suffixes / the shared lengths.
+    """
+    if groups.num_groups == 0:
+        return decode_attention(
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            scale,
+            out,
+            groups.max_suffix_len,
+            num_splits,
+            block_n,
+        )
+    suffix_out, suffix_lse = decode_splits(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        groups.max_suffix_len,
+        num_splits,
+        block_n,
+        context_starts=groups.context_starts,
+    )
+    shared = _shared_parts(query, k_cache, v_cache, groups, scale, shared_splits, block_n)
+    _merge(_Parts(suffix_out, suffix_lse), shared, out, None, lse_base2=True)
+    return out
+
+
+def cascade_pays(
+    group_size: int,
+    shared_len: int,
+    suffix_lens: Sequence[int],
+    kv_bytes_per_token: int = 4096,
+) -> bool:
+    """Whether a prefix group should take the cascade path on a GPU (pure Python, per step).
+
+    Decode attention is bound by HBM reads of K/V. Cascade reads the shared part once instead of
+    ``group_size`` times, saving ``(group_size - 1) * shared_len`` token reads per layer; it costs
+    one more kernel launch per layer (``EXTRA_LAUNCH_US``) and the float32 partials of each member.
+    It pays when the bytes saved take longer to read than that overhead, and when they are at
+    least ``MIN_SAVED_FRACTION`` of the group's attention traffic (below that, the estimate's error
+    is as large as the gain). The launch is shared by every group of a step; charging it to each
+    group is conservative. ``suffix_lens`` are the members' tokens after the shared part (read
+    once either way). ``kv_bytes_per_token``: K and V of one token in one layer, ``2 *
+    num_kv_heads * head_dim * dtype bytes`` (default: 8 KV heads x 128 x bf16, Llama-3-8B).
+
+    With the defaults the launch costs ``EXTRA_LAUNCH_US * HBM_BYTES_PER_US / 4096`` ~ 2,930
+    token reads, so 8 members pay from a shared length of ~440 tokens, 32 members from ~110,
+    2 members from ~2,960; a model with 2 KV heads x 64 (512 bytes a token) needs 8x longer.
+    """
+    if group_size < 2 or shared_len <= 0:
+        return False
+    saved = (group_size - 1) * shared_len
+    overhead = EXTRA_LAUNCH_US * HBM_BYTES_PER_US / kv_bytes_per_token
+    overhead += group_size * MERGE_TOKENS_PER_MEMBER
+    plain = group_size * shared_len + sum(suffix_lens)
+    return saved > overhead and saved >= MIN_SAVED_FRACTION * plain
