@@ -12,12 +12,12 @@ from prefixserve.kernels.cascade_attention import (
     CascadeGroups,
     cascade_decode_attention,
     cascade_pays,
-    merge_attn_states,
     shared_prefix_attention,
 )
 from prefixserve.kernels.decode_attention import decode_attention, default_num_splits
 from prefixserve.kernels.extend_attention import extend_attention
 from prefixserve.kernels.kv_store import store_kv_cache
+from prefixserve.kernels.merge_attn_states import merge_attn_states
 
 
 def interpreter_enabled() -> bool:

@@ -24,21 +24,15 @@ Example: 7 decode tokens (token t is sequence t), group 0 = {0, 3, 4}, group 1 =
 
 Shared kernel, grid ``(row tiles, G, num_kv_heads * num_splits)``: a program owns ``BLOCK_M``
 rows of one group and all ``GROUP`` query heads of one KV head, packed into ``BLOCK_M * BLOCK_G``
-tile rows like extend_attention (tile row ``r`` is group row ``r // BLOCK_G``, head ``r %
-BLOCK_G``), and one slice of the shared length. No mask inside the shared part: every query of
-a group sits after it. It writes a float32 partial output and a base-2 lse per split into
-*compact* buffers ``[N, H, S, D]`` / ``[N, H, S]`` (rows of ``token_idx``, so their size follows
-the group tokens, not the batch).
+tile rows as in extend_attention (``group_rows``), and one slice of the shared length. No mask
+inside the shared part: every query of a group sits after it. It writes a float32 partial output
+and a base-2 lse per split into *compact* buffers ``[N, H, S, D]`` / ``[N, H, S]`` (rows of
+``token_idx``, so their size follows the group tokens, not the batch).
 
-Merge kernel, grid ``(T, H)``: combines up to two sets of partials per token by log-sum-exp,
-each found through an optional row map (``-1``: absent). ``cascade_decode_attention`` merges
-the decode kernel's splits with the shared kernel's in this one pass (three launches in all,
-no intermediate rounding to the model dtype); ``merge_attn_states`` is the two-part case.
-
-lse convention: every lse this module takes or returns is the natural log of ``sum exp(scale *
-q.k)`` in float32, ``-inf`` for an empty part (as torch's and FlashAttention's). The split
-buffers between the kernels are base 2 (the kernels' online softmax runs on ``exp2``); they
-never leave this module and decode_attention.py.
+Three launches in all: ``cascade_decode_attention`` merges the decode kernel's splits with the
+shared kernel's in one pass of merge_attn_states.py's kernel (no intermediate rounding to the
+model dtype). Every lse this module takes or returns is the natural log; the split buffers between
+the kernels are base 2 and never leave the kernels package.
 """
 
 from __future__ import annotations
@@ -49,15 +43,20 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from prefixserve.kernels.decode_attention import (
-    decode_attention,
-    decode_splits,
-    default_num_splits,
+from prefixserve.kernels.attention_common import (
+    LOG2E,
+    attend_paged,
     dot_operands,
+    empty_partials,
+    group_rows,
+    head_block,
+    load_rows,
+    split_lse,
+    split_range,
+    store_output,
 )
-
-_LOG2E = 1.4426950408889634
-_LN2 = tl.constexpr(0.6931471805599453)  # read inside kernels, so a constexpr
+from prefixserve.kernels.decode_attention import decode_attention, decode_splits, default_num_splits
+from prefixserve.kernels.merge_attn_states import Parts, merge_parts
 
 # cascade_pays (estimates, to be calibrated by a GPU benchmark): the HBM bandwidth a decode
 # kernel sustains, in bytes per microsecond (H100 SXM: 3.35 TB/s peak, H200: 4.8); what cascade
@@ -195,280 +194,50 @@ def _shared_prefix_kernel(
     if tile * BLOCK_M >= num_rows:
         return
     shared_len = tl.load(shared_lens_ptr + grp)
-    split_len = tl.cdiv(tl.cdiv(shared_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, shared_len)
+    start, end = split_range(0, shared_len, split, num_splits, BLOCK_N)
 
-    offs_r = tl.arange(0, BLOCK_M * BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    row = row_start + tile * BLOCK_M + offs_r // BLOCK_G  # rows of token_idx
-    group_idx = offs_r % BLOCK_G
-    heads = kv_head * GROUP + group_idx
-    mask_r = (row < row_start + num_rows) & (group_idx < GROUP)
-    mask_d = offs_d < HEAD_DIM
+    # Rows of token_idx; padded rows hold q = 0: finite scores, masked at the store.
+    row, heads, mask_r = group_rows(row_start, num_rows, tile, kv_head, GROUP, BLOCK_G, BLOCK_M)
     tok = tl.load(token_idx_ptr + row, mask=mask_r, other=0)
-    q = tl.load(
-        q_ptr
-        + tok[:, None].to(tl.int64) * stride_qt
-        + heads[:, None] * stride_qh
-        + offs_d[None, :],
-        mask=mask_r[:, None] & mask_d[None, :],
-        other=0.0,
-    ).to(DOT_DTYPE)
-
-    # Padded rows hold q = 0: finite scores, masked at the store.
-    m_i = tl.full([BLOCK_M * BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M * BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for tile_start in range(start, end, BLOCK_N):
-        pos = tile_start + offs_n
-        mask_n = pos < end
-        block = tl.load(
-            block_tables_ptr + grp * stride_bt + pos // BLOCK_SIZE, mask=mask_n, other=0
-        )
-        slot_off = (
-            block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        )
-        kv_offs = slot_off[:, None] + offs_d[None, :]
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
-        m_i = m_new
-
-    nonempty = l_i > 0.0
-    l_safe = tl.where(nonempty, l_i, 1.0)
-    lse = tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf"))
+    q = load_rows(
+        q_ptr + tok[:, None].to(tl.int64) * stride_qt + heads[:, None] * stride_qh,
+        mask_r,
+        HEAD_DIM,
+        BLOCK_D,
+    )
+    acc, m_i, l_i = attend_paged(
+        q.to(DOT_DTYPE),
+        None,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr + grp * stride_bt,
+        kv_head,
+        start,
+        end,
+        sm_scale_log2,
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        BLOCK_M * BLOCK_G,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_SIZE,
+        BLOCK_N,
+        DOT_DTYPE,
+        PRECISION,
+        CAUSAL=False,
+    )
+    l_safe, lse = split_lse(m_i, l_i)
     row64 = row.to(tl.int64)
-    tl.store(
-        part_out_ptr
-        + row64[:, None] * stride_pr
-        + heads[:, None] * stride_ph
-        + split * stride_ps
-        + offs_d[None, :],
-        acc / l_safe[:, None],
-        mask=mask_r[:, None] & mask_d[None, :],
+    store_output(
+        part_out_ptr + row64[:, None] * stride_pr + heads[:, None] * stride_ph + split * stride_ps,
+        acc,
+        l_safe,
+        mask_r,
+        HEAD_DIM,
+        BLOCK_D,
     )
     tl.store(part_lse_ptr + row64 * stride_lr + heads * stride_lh + split, lse, mask=mask_r)
-
-
-@triton.jit
-def _parts_lse(
-    lse_ptr,
-    rows_ptr,
-    tok,
-    head,
-    num_parts,
-    stride_r,
-    stride_h,
-    stride_s,
-    HAS_ROWS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    """Row of token ``tok`` in one set of partials, and their lse (-inf: absent)."""
-    row = tok
-    if HAS_ROWS:
-        row = tl.load(rows_ptr + tok)
-    offs_s = tl.arange(0, BLOCK_S)
-    lse = tl.load(
-        lse_ptr + row.to(tl.int64) * stride_r + head * stride_h + offs_s * stride_s,
-        mask=offs_s < tl.where(row >= 0, num_parts, 0),
-        other=float("-inf"),
-    )
-    return row, lse
-
-
-@triton.jit
-def _parts_sum(
-    out_ptr,
-    row,
-    head,
-    weight,
-    stride_r,
-    stride_h,
-    stride_s,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    """Weighted sum of one set of partial outputs; parts of weight 0 are never read (they may be
-    uninitialised memory, and 0 * nan is nan)."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    parts = tl.load(
-        out_ptr
-        + row.to(tl.int64) * stride_r
-        + head * stride_h
-        + offs_s[:, None] * stride_s
-        + offs_d[None, :],
-        mask=(weight > 0.0)[:, None] & (offs_d < HEAD_DIM)[None, :],
-        other=0.0,
-    ).to(tl.float32)
-    return tl.sum(weight[:, None] * parts, axis=0)
-
-
-@triton.jit
-def _merge_kernel(
-    a_out_ptr,
-    a_lse_ptr,
-    a_rows_ptr,
-    b_out_ptr,
-    b_lse_ptr,
-    b_rows_ptr,
-    out_ptr,
-    out_lse_ptr,
-    num_a,
-    num_b,
-    stride_ar,
-    stride_ah,
-    stride_as,
-    stride_alr,
-    stride_alh,
-    stride_als,
-    stride_br,
-    stride_bh,
-    stride_bs,
-    stride_blr,
-    stride_blh,
-    stride_bls,
-    stride_ot,
-    stride_oh,
-    stride_olt,
-    stride_olh,
-    A_ROWS: tl.constexpr,
-    B_ROWS: tl.constexpr,
-    HAS_B: tl.constexpr,
-    STORE_LSE: tl.constexpr,
-    LSE_BASE2: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_SA: tl.constexpr,
-    BLOCK_SB: tl.constexpr,
-):
-    tok = tl.program_id(0)
-    head = tl.program_id(1)
-    row_a, lse_a = _parts_lse(
-        a_lse_ptr,
-        a_rows_ptr,
-        tok,
-        head,
-        num_a,
-        stride_alr,
-        stride_alh,
-        stride_als,
-        A_ROWS,
-        BLOCK_SA,
-    )
-    m = tl.max(lse_a, axis=0)
-    if HAS_B:
-        row_b, lse_b = _parts_lse(
-            b_lse_ptr,
-            b_rows_ptr,
-            tok,
-            head,
-            num_b,
-            stride_blr,
-            stride_blh,
-            stride_bls,
-            B_ROWS,
-            BLOCK_SB,
-        )
-        m = tl.maximum(m, tl.max(lse_b, axis=0))
-    m = tl.where(m == float("-inf"), 0.0, m)  # nothing to merge: every weight is 0
-    # A part alone (the others' lse -inf) gets weight exactly 1: out and lse come back unchanged.
-    w_a = tl.exp2(lse_a - m) if LSE_BASE2 else tl.exp(lse_a - m)
-    acc = _parts_sum(
-        a_out_ptr, row_a, head, w_a, stride_ar, stride_ah, stride_as, HEAD_DIM, BLOCK_D, BLOCK_SA
-    )
-    total = tl.sum(w_a, axis=0)
-    if HAS_B:
-        w_b = tl.exp2(lse_b - m) if LSE_BASE2 else tl.exp(lse_b - m)
-        acc += _parts_sum(
-            b_out_ptr,
-            row_b,
-            head,
-            w_b,
-            stride_br,
-            stride_bh,
-            stride_bs,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_SB,
-        )
-        total += tl.sum(w_b, axis=0)
-    nonempty = total > 0.0
-    total_safe = tl.where(nonempty, total, 1.0)
-    offs_d = tl.arange(0, BLOCK_D)
-    tl.store(
-        out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
-        (acc / total_safe).to(out_ptr.dtype.element_ty),
-        mask=offs_d < HEAD_DIM,
-    )
-    if STORE_LSE:  # natural log
-        lse = m * _LN2 + tl.log(total_safe) if LSE_BASE2 else m + tl.log(total_safe)
-        lse = tl.where(nonempty, lse, float("-inf"))
-        tl.store(out_lse_ptr + tok.to(tl.int64) * stride_olt + head * stride_olh, lse)
-
-
-@dataclass(frozen=True, slots=True)
-class _Parts:
-    """Partial results ``out [R, H, S, D]`` and ``lse [R, H, S]``; token t's are at row t, or at
-    ``rows[t]`` when given (``-1``: token t has none)."""
-
-    out: torch.Tensor
-    lse: torch.Tensor
-    rows: torch.Tensor | None = None
-
-
-def _merge(
-    a: _Parts,
-    b: _Parts | None,
-    out: torch.Tensor,
-    out_lse: torch.Tensor | None,
-    lse_base2: bool,
-) -> None:
-    """``out[t]`` (and ``out_lse[t]``, natural log) from token t's partials in ``a`` and ``b``,
-    whose lse are base 2 (the kernels' split buffers) or natural (``lse_base2=False``)."""
-    num_tokens, num_heads, head_dim = out.shape
-    if num_tokens == 0:
-        return
-    b_ = b if b is not None else a
-    _merge_kernel[(num_tokens, num_heads)](
-        a.out,
-        a.lse,
-        a.rows if a.rows is not None else a.lse,
-        b_.out,
-        b_.lse,
-        b_.rows if b_.rows is not None else b_.lse,
-        out,
-        out_lse if out_lse is not None else out,
-        a.out.shape[2],
-        b_.out.shape[2],
-        *a.out.stride()[:3],
-        *a.lse.stride(),
-        *b_.out.stride()[:3],
-        *b_.lse.stride(),
-        out.stride(0),
-        out.stride(1),
-        *(out_lse.stride() if out_lse is not None else (0, 0)),
-        A_ROWS=a.rows is not None,
-        B_ROWS=b_.rows is not None,
-        HAS_B=b is not None,
-        STORE_LSE=out_lse is not None,
-        LSE_BASE2=lse_base2,
-        HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SA=triton.next_power_of_2(a.out.shape[2]),
-        BLOCK_SB=triton.next_power_of_2(b_.out.shape[2]),
-        num_warps=1 if out.device.type == "cpu" else 2,
-    )
 
 
 def _shared_parts(
@@ -479,13 +248,13 @@ def _shared_parts(
     scale: float,
     num_splits: int | None,
     block_n: int | None,
-) -> _Parts:
+) -> Parts:
     """Launch the shared kernel; partials of every group row, each split of the shared length."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     block_g = triton.next_power_of_2(group)
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = head_block(head_dim)
     # Tile shape: rows x BLOCK_N keys. Compiled for sm_90 (bf16, head_dim <= 128), 16 to 64 rows
     # x 64 keys fit 8 warps without register spills (190-250 registers) where 4 warps spill;
     # head_dim 256 fits 32 x 32 on 4 warps. The interpreter wants few, large programs.
@@ -505,15 +274,8 @@ def _shared_parts(
         num_splits = default_num_splits(
             groups.num_groups * num_tiles, num_kv_heads, groups.max_shared_len, query.device
         )
-    parts = _Parts(
-        torch.empty(
-            (groups.num_rows, num_heads, num_splits, head_dim),
-            dtype=torch.float32,
-            device=query.device,
-        ),
-        torch.empty(
-            (groups.num_rows, num_heads, num_splits), dtype=torch.float32, device=query.device
-        ),
+    parts = Parts(
+        *empty_partials(groups.num_rows, num_heads, num_splits, head_dim, query.device),
         groups.token_rows,
     )
     dot_dtype, precision = dot_operands(k_cache.dtype, query.device)
@@ -528,17 +290,13 @@ def _shared_parts(
         groups.shared_lens,
         parts.out,
         parts.lse,
-        scale * _LOG2E,
+        scale * LOG2E,
         num_splits,
-        query.stride(0),
-        query.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        *query.stride()[:2],
+        *k_cache.stride()[:3],
         groups.shared_block_tables.stride(0),
         *parts.out.stride()[:3],
-        parts.lse.stride(0),
-        parts.lse.stride(1),
+        *parts.lse.stride()[:2],
         GROUP=group,
         BLOCK_G=block_g,
         HEAD_DIM=head_dim,
@@ -578,33 +336,8 @@ def shared_prefix_attention(
         lse.fill_(float("-inf"))
         return out, lse
     parts = _shared_parts(query, k_cache, v_cache, groups, scale, num_splits, block_n)
-    _merge(parts, None, out, lse, lse_base2=True)
+    merge_parts(parts, None, out, lse, lse_base2=True)
     return out, lse
-
-
-def merge_attn_states(
-    out_a: torch.Tensor,
-    lse_a: torch.Tensor,
-    out_b: torch.Tensor,
-    lse_b: torch.Tensor,
-    out: torch.Tensor,
-    out_lse: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Combine attention over two disjoint key sets: ``out = (e^lse_a out_a + e^lse_b out_b) /
-    (e^lse_a + e^lse_b)``; returns ``out`` and writes ``out_lse = log(e^lse_a + e^lse_b)``.
-
-    ``out_*``: ``[T, H, D]`` (last dim contiguous, any float dtype; ``out`` may alias either
-    input); ``lse_*``: ``[T, H]`` float32, natural log. A part with ``lse = -inf`` is empty: the
-    other is returned exactly (its output is not even read); both empty gives zeros and -inf.
-    """
-    _merge(
-        _Parts(out_a.unsqueeze(2), lse_a.unsqueeze(2)),
-        _Parts(out_b.unsqueeze(2), lse_b.unsqueeze(2)),
-        out,
-        out_lse,
-        lse_base2=False,
-    )
-    return out
 
 
 def cascade_decode_attention(
@@ -654,7 +387,7 @@ def cascade_decode_attention(
         context_starts=groups.context_starts,
     )
     shared = _shared_parts(query, k_cache, v_cache, groups, scale, shared_splits, block_n)
-    _merge(_Parts(suffix_out, suffix_lse), shared, out, None, lse_base2=True)
+    merge_parts(Parts(suffix_out, suffix_lse), shared, out, None, lse_base2=True)
     return out
 
 

@@ -7,7 +7,8 @@ that share the KV head are processed together as the rows of a ``[BLOCK_H, BLOCK
 program walks its slice in tiles of ``BLOCK_N`` tokens; every token finds its physical slot
 through the block table, so a tile may span several cache blocks (any power-of-two block size)
 and one block may span several tiles. An online softmax in base 2 keeps a running max ``m``,
-sum ``l`` and accumulator; the program writes ``acc / l`` and ``lse = m + log2(l)``.
+sum ``l`` and accumulator; the program writes ``acc / l`` and ``lse = m + log2(l)`` (the walk
+and the partial result are attention_common.py's, shared with the other attention kernels).
 
 A sequence's context starts at ``context_starts[b]`` (default 0). Cascade attention sets it past
 a shared prefix that another kernel attends to once for the whole group (cascade_attention.py)::
@@ -27,9 +28,19 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from prefixserve.kernels.attention_common import (
+    LN2,
+    LOG2E,
+    attend_paged,
+    dot_operands,
+    empty_partials,
+    head_block,
+    load_rows,
+    split_lse,
+    split_range,
+    store_output,
+)
 
-_LOG2E = 1.4426950408889634
-_LN2 = tl.constexpr(0.6931471805599453)  # read inside kernels, so a constexpr
 _MAX_SPLITS = 64
 _MIN_TOKENS_PER_SPLIT = 256
 _TARGET_PROGRAMS = 1024
@@ -75,58 +86,42 @@ def _decode_split_kernel(
     ctx_start = 0
     if HAS_STARTS:
         ctx_start = tl.load(context_starts_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len - ctx_start, num_splits), BLOCK_N) * BLOCK_N
-    start = ctx_start + split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    start, end = split_range(ctx_start, seq_len, split, num_splits, BLOCK_N)
 
     offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + offs_h
     mask_h = offs_h < GROUP
-    mask_d = offs_d < HEAD_DIM
-    q = tl.load(
-        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_h[:, None] & mask_d[None, :],
-        other=0.0,
-    ).to(DOT_DTYPE)
-
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for tile_start in range(start, end, BLOCK_N):
-        pos = tile_start + offs_n
-        mask_n = pos < end
-        block = tl.load(
-            block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=mask_n, other=0
-        )
-        slot_off = (
-            block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        )
-        kv_offs = slot_off[:, None] + offs_d[None, :]
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2  # [BLOCK_H, BLOCK_N]
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
-        m_i = m_new
-
-    nonempty = l_i > 0.0
-    l_safe = tl.where(nonempty, l_i, 1.0)
-    lse = tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf"))
-    tl.store(
-        part_out_ptr
-        + seq * stride_pt
-        + heads[:, None] * stride_ph
-        + split * stride_ps
-        + offs_d[None, :],
-        acc / l_safe[:, None],
-        mask=mask_h[:, None] & mask_d[None, :],
+    q = load_rows(q_ptr + seq * stride_qt + heads[:, None] * stride_qh, mask_h, HEAD_DIM, BLOCK_D)
+    acc, m_i, l_i = attend_paged(
+        q.to(DOT_DTYPE),
+        None,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr + seq * stride_bt,
+        kv_head,
+        start,
+        end,
+        sm_scale_log2,
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        BLOCK_H,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_SIZE,
+        BLOCK_N,
+        DOT_DTYPE,
+        PRECISION,
+        CAUSAL=False,
+    )
+    l_safe, lse = split_lse(m_i, l_i)
+    store_output(
+        part_out_ptr + seq * stride_pt + heads[:, None] * stride_ph + split * stride_ps,
+        acc,
+        l_safe,
+        mask_h,
+        HEAD_DIM,
+        BLOCK_D,
     )
     tl.store(part_lse_ptr + seq * stride_lt + heads * stride_lh + split, lse, mask=mask_h)
 
@@ -157,45 +152,29 @@ def _decode_merge_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     mask_s = offs_s < num_splits
-    mask_d = offs_d < HEAD_DIM
     lse = tl.load(
         part_lse_ptr + seq * stride_lt + head * stride_lh + offs_s, mask=mask_s, other=float("-inf")
     )
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)  # an empty context: every weight is 0
     weight = tl.exp2(lse - m)
-    parts = tl.load(
-        part_out_ptr
-        + seq * stride_pt
-        + head * stride_ph
-        + offs_s[:, None] * stride_ps
-        + offs_d[None, :],
-        mask=mask_s[:, None] & mask_d[None, :],
-        other=0.0,
+    parts = load_rows(
+        part_out_ptr + seq * stride_pt + head * stride_ph + offs_s[:, None] * stride_ps,
+        mask_s,
+        HEAD_DIM,
+        BLOCK_D,
     )
     total = tl.sum(weight, axis=0)
     out = tl.sum(weight[:, None] * parts, axis=0) / tl.where(total > 0.0, total, 1.0)
     tl.store(
         out_ptr + seq * stride_ot + head * stride_oh + offs_d,
         out.to(out_ptr.dtype.element_ty),
-        mask=mask_d,
+        mask=offs_d < HEAD_DIM,
     )
     if STORE_LSE:  # natural log: m and log2(total) are base 2
-        lse_out = (m + tl.log2(tl.where(total > 0.0, total, 1.0))) * _LN2
+        lse_out = (m + tl.log2(tl.where(total > 0.0, total, 1.0))) * LN2
         lse_out = tl.where(total > 0.0, lse_out, float("-inf"))
         tl.store(lse_ptr + seq * stride_ft + head * stride_fh, lse_out)
-
-
-def dot_operands(dtype: torch.dtype, device: torch.device) -> tuple[tl.dtype, str]:
-    """Operand dtype and ``input_precision`` of the kernels' ``tl.dot`` calls.
-
-    On GPUs the cache dtype feeds the tensor cores directly, fp32 in exact ("ieee") mode. Triton's
-    interpreter computes a bf16 ``tl.dot`` on the raw 16-bit patterns (wrong results), so on CPU
-    the operands are upcast to fp32.
-    """
-    if device.type == "cpu" or dtype == torch.float32:
-        return tl.float32, "ieee"
-    return (tl.bfloat16 if dtype == torch.bfloat16 else tl.float16), "tf32"
 
 
 def default_num_splits(
@@ -263,17 +242,13 @@ def decode_attention(
         out,
         lse if store_lse else part_lse,
         num_splits,
-        part_out.stride(0),
-        part_out.stride(1),
-        part_out.stride(2),
-        part_lse.stride(0),
-        part_lse.stride(1),
-        out.stride(0),
-        out.stride(1),
+        *part_out.stride()[:3],
+        *part_lse.stride()[:2],
+        *out.stride()[:2],
         lse.stride(0) if store_lse else 0,
         lse.stride(1) if store_lse else 0,
         HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_D=head_block(head_dim),
         BLOCK_S=triton.next_power_of_2(num_splits),
         STORE_LSE=store_lse,
         num_warps=4,
@@ -308,12 +283,7 @@ def decode_splits(
         block_n = 32 if on_cpu else (64 if max_seq_len <= 4096 else 128)
     if num_warps is None:
         num_warps = 4
-    part_out = torch.empty(
-        (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
-    )
-    part_lse = torch.empty(
-        (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
-    )
+    part_out, part_lse = empty_partials(num_seqs, num_heads, num_splits, head_dim, query.device)
     dot_dtype, precision = dot_operands(k_cache.dtype, query.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
@@ -324,23 +294,17 @@ def decode_splits(
         seq_lens if context_starts is None else context_starts,
         part_out,
         part_lse,
-        scale * _LOG2E,
+        scale * LOG2E,
         num_splits,
-        query.stride(0),
-        query.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        *query.stride()[:2],
+        *k_cache.stride()[:3],
         block_tables.stride(0),
-        part_out.stride(0),
-        part_out.stride(1),
-        part_out.stride(2),
-        part_lse.stride(0),
-        part_lse.stride(1),
+        *part_out.stride()[:3],
+        *part_lse.stride()[:2],
         GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_D=head_block(head_dim),
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         DOT_DTYPE=dot_dtype,

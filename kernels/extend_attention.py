@@ -21,9 +21,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from prefixserve.kernels.decode_attention import dot_operands
-
-_LOG2E = 1.4426950408889634
+from prefixserve.kernels.attention_common import (
+    LOG2E,
+    attend_paged,
+    dot_operands,
+    group_rows,
+    head_block,
+    load_rows,
+    store_output,
+)
 
 
 @triton.jit
@@ -64,58 +70,43 @@ def _extend_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - query_len
 
-    offs_r = tl.arange(0, BLOCK_M * BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    tok = tile * BLOCK_M + offs_r // BLOCK_G
-    group_idx = offs_r % BLOCK_G
-    heads = kv_head * GROUP + group_idx
-    mask_r = (tok < query_len) & (group_idx < GROUP)
-    mask_d = offs_d < HEAD_DIM
-    q_pos = ctx_len + tok
-    q = tl.load(
-        q_ptr
-        + (q_start + tok)[:, None].to(tl.int64) * stride_qt
-        + heads[:, None] * stride_qh
-        + offs_d[None, :],
-        mask=mask_r[:, None] & mask_d[None, :],
-        other=0.0,
-    ).to(DOT_DTYPE)
-
-    m_i = tl.full([BLOCK_M * BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M * BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], dtype=tl.float32)
-    end = tl.minimum(seq_len, ctx_len + (tile + 1) * BLOCK_M)
-    for tile_start in range(0, end, BLOCK_N):
-        pos = tile_start + offs_n
-        mask_n = pos < end
-        block = tl.load(
-            block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=mask_n, other=0
-        )
-        slot_off = (
-            block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        )
-        kv_offs = slot_off[:, None] + offs_d[None, :]
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
-        s = tl.where(mask_n[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
-        m_i = m_new
-
-    out = acc / l_i[:, None]
-    tl.store(
-        out_ptr
-        + (q_start + tok)[:, None].to(tl.int64) * stride_ot
-        + heads[:, None] * stride_oh
-        + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=mask_r[:, None] & mask_d[None, :],
+    tok, heads, mask_r = group_rows(0, query_len, tile, kv_head, GROUP, BLOCK_G, BLOCK_M)
+    q = load_rows(
+        q_ptr + (q_start + tok)[:, None].to(tl.int64) * stride_qt + heads[:, None] * stride_qh,
+        mask_r,
+        HEAD_DIM,
+        BLOCK_D,
+    )
+    end = tl.minimum(seq_len, ctx_len + (tile + 1) * BLOCK_M)  # past the tile's last query
+    acc, _, l_i = attend_paged(
+        q.to(DOT_DTYPE),
+        ctx_len + tok,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr + seq * stride_bt,
+        kv_head,
+        0,
+        end,
+        sm_scale_log2,
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        BLOCK_M * BLOCK_G,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_SIZE,
+        BLOCK_N,
+        DOT_DTYPE,
+        PRECISION,
+        CAUSAL=True,
+    )
+    store_output(
+        out_ptr + (q_start + tok)[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh,
+        acc,
+        l_i,
+        mask_r,
+        HEAD_DIM,
+        BLOCK_D,
     )
 
 
@@ -157,19 +148,15 @@ def extend_attention(
         query_start_loc,
         seq_lens,
         block_tables,
-        scale * _LOG2E,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        scale * LOG2E,
+        *query.stride()[:2],
+        *out.stride()[:2],
+        *k_cache.stride()[:3],
         block_tables.stride(0),
         GROUP=group,
         BLOCK_G=block_g,
         HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_D=head_block(head_dim),
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=block_n,

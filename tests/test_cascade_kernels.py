@@ -1,19 +1,16 @@
 """Cascade decode kernels (shared-prefix attention, suffix decode, lse merge) against dense torch.
 
-On CPU the kernels run through Triton's interpreter (``TRITON_INTERPRET=1`` set before they are
-imported, as in test_kernels.py). Shapes are tiny: head_dim 16/32, a handful of tokens.
+On CPU the kernels run through Triton's interpreter (set up as in test_kernels.py, whose dense
+reference and tolerances these tests share). Shapes are tiny: head_dim 16/32, a handful of tokens.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from test_kernels import DEVICE, NUM_KV_HEADS, assert_close, decode_inputs, dense_attention
 
 pytest.importorskip("triton")
 
@@ -25,10 +22,6 @@ from prefixserve.kernels import (
     merge_attn_states,
     shared_prefix_attention,
 )
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-NUM_KV_HEADS = 2
-RTOL, ATOL = 1e-4, 1e-5
 
 
 class SharedBatch:
@@ -96,28 +89,10 @@ class SharedBatch:
             start = 0 if starts is None else starts[b]
             end = n if ends is None else ends[b]
             k, v = self.context(b, start, end)
-            o, lse = dense(self.query[b : b + 1], k, v, scale)
+            o, lse = dense_attention(self.query[b : b + 1], k, v, scale)
             outs.append(o)
             lses.append(lse)
         return torch.cat(outs), torch.cat(lses)
-
-
-def dense(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q ``[Tq, H, D]`` sees every key of k/v ``[L, Hkv, D]`` (GQA by repeat): out, lse (fp32)."""
-    group = q.shape[1] // k.shape[1]
-    k = k.double().repeat_interleave(group, dim=1)
-    v = v.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->qhk", q.double(), k) * scale
-    lse = torch.logsumexp(scores, dim=-1)  # -inf for no keys
-    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
-    return torch.einsum("qhk,khd->qhd", probs, v).float(), lse.float()
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, **tol: float) -> None:
-    tol = tol or {"rtol": RTOL, "atol": ATOL}
-    torch.testing.assert_close(actual.float().cpu(), expected, **tol)
 
 
 # Batch: a nested prefix ("sys" shared by 6 sequences, "docA"/"docB" within two sets), a group
@@ -152,19 +127,9 @@ def test_cascade_decode_matches_dense(
     batch = SharedBatch(LAYOUT, PREFIX_BLOCKS, num_heads, head_dim, block_size)
     groups = batch.groups(GROUPS)
     scale = head_dim**-0.5
-    kv = batch.kv_cache.to(DEVICE)
     out = torch.empty_like(batch.query, device=DEVICE)
     cascade_decode_attention(
-        batch.query.to(DEVICE),
-        kv[0],
-        kv[1],
-        batch.block_tables.to(DEVICE),
-        torch.tensor(batch.seq_lens, dtype=torch.int32, device=DEVICE),
-        groups,
-        scale,
-        out,
-        num_splits=splits[0],
-        shared_splits=splits[1],
+        *decode_inputs(batch), groups, scale, out, num_splits=splits[0], shared_splits=splits[1]
     )
     assert_close(out, batch.reference(scale)[0])
 
@@ -188,37 +153,17 @@ def test_cascade_decode_bf16_cache() -> None:
     batch = SharedBatch(LAYOUT, PREFIX_BLOCKS, 8, 16, 16, seed=1, dtype=torch.bfloat16)
     batch.kv_cache, batch.query = batch.kv_cache.float(), batch.query.float()
     expected = batch.reference(0.25)[0]
-    kv = batch.kv_cache.to(DEVICE, torch.bfloat16)
-    query = batch.query.to(DEVICE, torch.bfloat16)
-    out = torch.empty_like(query)
-    cascade_decode_attention(
-        query,
-        kv[0],
-        kv[1],
-        batch.block_tables.to(DEVICE),
-        torch.tensor(batch.seq_lens, dtype=torch.int32, device=DEVICE),
-        batch.groups(GROUPS),
-        0.25,
-        out,
-    )
+    inputs = decode_inputs(batch, torch.bfloat16)
+    out = torch.empty_like(inputs[0])
+    cascade_decode_attention(*inputs, batch.groups(GROUPS), 0.25, out)
     assert out.dtype == torch.bfloat16
     assert_close(out, expected, rtol=1e-2, atol=1e-2)  # one rounding of the fp32 result
 
 
 def test_cascade_without_groups_is_decode() -> None:
     batch = SharedBatch(LAYOUT[:3], PREFIX_BLOCKS, 4, 16, 16, seed=2)
-    kv = batch.kv_cache.to(DEVICE)
     out = torch.empty_like(batch.query, device=DEVICE)
-    cascade_decode_attention(
-        batch.query.to(DEVICE),
-        kv[0],
-        kv[1],
-        batch.block_tables.to(DEVICE),
-        torch.tensor(batch.seq_lens, dtype=torch.int32, device=DEVICE),
-        batch.groups([]),
-        0.25,
-        out,
-    )
+    cascade_decode_attention(*decode_inputs(batch), batch.groups([]), 0.25, out)
     assert_close(out, batch.reference(0.25)[0])
 
 
@@ -229,13 +174,8 @@ def test_decode_context_starts_and_lse(num_splits: int) -> None:
     starts = [39, 16, 17, 0]
     out = torch.empty_like(batch.query, device=DEVICE)
     lse = torch.empty(batch.query.shape[:2], device=DEVICE)
-    kv = batch.kv_cache.to(DEVICE)
     decode_attention(
-        batch.query.to(DEVICE),
-        kv[0],
-        kv[1],
-        batch.block_tables.to(DEVICE),
-        torch.tensor(batch.seq_lens, dtype=torch.int32, device=DEVICE),
+        *decode_inputs(batch),
         0.25,
         out,
         max(batch.seq_lens),
@@ -270,7 +210,7 @@ def test_shared_prefix_attention_rows_and_tiles() -> None:
     k, v = batch.context(0, 0, 3 * bs)
     for seq in (0, 1, 3):
         rows = slice(qsl[seq], qsl[seq] + query_lens[seq])
-        ref_out, ref_lse = dense(query[rows], k, v, 0.25)
+        ref_out, ref_lse = dense_attention(query[rows], k, v, 0.25)
         assert_close(out[rows], ref_out)
         assert_close(lse[rows], ref_lse)
     assert not out[5].any() and torch.isneginf(lse[5]).all()  # sequence 2, in no group
@@ -281,18 +221,13 @@ def test_composed_parts_match_dense() -> None:
     merge_attn_states give the same result as dense attention, lse included."""
     batch = SharedBatch(LAYOUT, PREFIX_BLOCKS, 8, 32, 16, seed=5)
     groups = batch.groups(GROUPS)
-    kv = batch.kv_cache.to(DEVICE)
-    query = batch.query.to(DEVICE)
+    inputs = decode_inputs(batch)
     shape = batch.query.shape
     shared_out, suffix_out, out = (torch.empty(shape, device=DEVICE) for _ in range(3))
     shared_lse, suffix_lse, out_lse = (torch.empty(shape[:2], device=DEVICE) for _ in range(3))
-    shared_prefix_attention(query, kv[0], kv[1], groups, 0.2, shared_out, shared_lse)
+    shared_prefix_attention(*inputs[:3], groups, 0.2, shared_out, shared_lse)
     decode_attention(
-        query,
-        kv[0],
-        kv[1],
-        batch.block_tables.to(DEVICE),
-        torch.tensor(batch.seq_lens, dtype=torch.int32, device=DEVICE),
+        *inputs,
         0.2,
         suffix_out,
         groups.max_suffix_len,

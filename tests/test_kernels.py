@@ -123,28 +123,42 @@ class PagedBatch:
         outs = []
         for i, (n, q) in enumerate(zip(self.seq_lens, self.query_lens)):
             start = int(self.query_start_loc[i])
-            outs.append(
-                dense_attention(self.query[start : start + q], self.k[i], self.v[i], n - q, scale)
-            )
+            q_rows = self.query[start : start + q]
+            outs.append(dense_attention(q_rows, self.k[i], self.v[i], scale, ctx_len=n - q)[0])
         return torch.cat(outs)
 
 
 def dense_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, scale: float
-) -> torch.Tensor:
-    """q ``[Tq, H, D]`` at positions ``ctx_len ..``; k/v ``[L, Hkv, D]``; causal, GQA by repeat."""
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ctx_len: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``[Tq, H, D]`` over k/v ``[L, Hkv, D]`` (GQA by repeat) in fp64: output and natural-log lse
+    (fp32; no visible key: zeros and -inf). Causal with the queries at positions ``ctx_len ..``;
+    without ``ctx_len`` every query sees every key."""
     group = q.shape[1] // k.shape[1]
     k = k.double().repeat_interleave(group, dim=1)
     v = v.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    q_pos = ctx_len + torch.arange(q.shape[0])
-    visible = torch.arange(k.shape[0])[None, :] <= q_pos[:, None]
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v).float()
+    scores = torch.einsum("qhd,khd->qhk", q.double(), k) * scale
+    if ctx_len is not None:
+        q_pos = ctx_len + torch.arange(q.shape[0])
+        visible = torch.arange(k.shape[0])[None, :] <= q_pos[:, None]
+        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    return torch.einsum("qhk,khd->qhd", probs, v).float(), lse.float()
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    torch.testing.assert_close(actual.float().cpu(), expected, rtol=RTOL, atol=ATOL)
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, **tol: float) -> None:
+    tol = tol or {"rtol": RTOL, "atol": ATOL}
+    torch.testing.assert_close(actual.float().cpu(), expected, **tol)
+
+
+def decode_inputs(batch, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+    """``query, k_cache, v_cache, block_tables, seq_lens`` of a batch of decodes (a ``PagedBatch``
+    or test_cascade_kernels' ``SharedBatch``) on DEVICE, query and cache in ``dtype`` if given:
+    the first arguments of the decode kernels."""
+    kv = batch.kv_cache.to(DEVICE, dtype)
+    seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32, device=DEVICE)
+    return batch.query.to(DEVICE, dtype), kv[0], kv[1], batch.block_tables.to(DEVICE), seq_lens
 
 
 def decode_lens(block_size: int) -> list[int]:
@@ -159,18 +173,8 @@ def test_decode_attention(block_size: int, gqa: int, head_dim: int) -> None:
         seq_lens, [1] * len(seq_lens), NUM_KV_HEADS * gqa, head_dim, block_size, True
     )
     scale = head_dim**-0.5
-    kv = batch.kv_cache.to(DEVICE)
     out = torch.empty_like(batch.query, device=DEVICE)
-    decode_attention(
-        batch.query.to(DEVICE),
-        kv[0],
-        kv[1],
-        batch.block_tables.to(DEVICE),
-        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        scale,
-        out,
-        max(seq_lens),
-    )
+    decode_attention(*decode_inputs(batch), scale, out, max(seq_lens))
     assert_close(out, batch.reference(scale))
 
 
@@ -179,19 +183,9 @@ def test_decode_attention_splits(num_splits: int) -> None:
     """Split counts that leave some splits empty (short sequences) and that are not powers of two."""
     seq_lens = [1, 7, 40, 77]
     batch = PagedBatch(seq_lens, [1] * 4, NUM_KV_HEADS * 4, 64, 8, True, seed=1)
-    kv = batch.kv_cache.to(DEVICE)
     out = torch.empty_like(batch.query, device=DEVICE)
     decode_attention(
-        batch.query.to(DEVICE),
-        kv[0],
-        kv[1],
-        batch.block_tables.to(DEVICE),
-        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        0.125,
-        out,
-        max(seq_lens),
-        num_splits=num_splits,
-        block_n=16,
+        *decode_inputs(batch), 0.125, out, max(seq_lens), num_splits=num_splits, block_n=16
     )
     assert_close(out, batch.reference(0.125))
 
@@ -280,7 +274,7 @@ def test_backend_forward_mixed_batch(
     if dtype == torch.float32:
         assert_close(out, batch.reference(scale))
     else:  # one rounding of the fp32 result to bf16
-        torch.testing.assert_close(out.float().cpu(), batch.reference(scale), rtol=1e-2, atol=1e-2)
+        assert_close(out, batch.reference(scale), rtol=1e-2, atol=1e-2)
     for i, n in enumerate(seq_lens):
         slots = [batch.slot(i, p) for p in range(n)]
         assert torch.equal(

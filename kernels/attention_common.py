@@ -1,0 +1,187 @@
+"""What the attention kernels share: query rows packed by KV head, the walk over a paged context
+with an online softmax, and the result of a split; with the host-side choices that go with them.
+
+A kernel here is its own grid, rows and range of positions around the same steps::
+
+    tok, heads, mask_r = group_rows(first, num_tokens, tile, kv_head, ...)  # decode: one token
+    q = load_rows(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh, mask_r, ...)
+    acc, m_i, l_i = attend_paged(q, ..., block_table_ptr, kv_head, start, end, ...)
+    store_output(out_ptr + ..., acc, l_i, mask_r, ...)                      # extend: the output
+    l_safe, lse = split_lse(m_i, l_i)                                       # a split's partial
+    store_output(part_out_ptr + ..., acc, l_safe, mask_r, ...)              # result (decode,
+    tl.store(part_lse_ptr + ..., lse, mask=mask_r)                          # shared prefix)
+
+Triton inlines a ``@triton.jit`` function called from a kernel, so the helpers cost nothing at
+run time. They keep the order of operations the kernels were tuned with: sm_90 register
+allocation (and spills) depends on it, e.g. on store addresses being computed after
+``split_lse`` and in ``[rows, 1]`` form.
+
+Conventions: a context is read through one row of the block table (position ``p`` lives in block
+``block_table[p // BLOCK_SIZE]``, slot ``p % BLOCK_SIZE``); scores are base 2 (``q.k * scale *
+log2(e)``, the softmax runs on ``exp2``); accumulation is float32. A split's partial result is
+``acc / l`` and ``lse = m + log2(l)`` (base 2); an empty split stores zeros and ``lse = -inf``, so
+a merge by log-sum-exp gives it weight exactly 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = tl.constexpr(0.6931471805599453)  # read inside kernels, so a constexpr
+
+
+@triton.jit
+def split_range(ctx_start, ctx_end, split, num_splits, BLOCK_N: tl.constexpr):
+    """Positions ``start .. end - 1`` of split ``split`` of ``ctx_start .. ctx_end - 1``: equal
+    slices rounded up to whole tiles, so the last splits may be short or empty."""
+    split_len = tl.cdiv(tl.cdiv(ctx_end - ctx_start, num_splits), BLOCK_N) * BLOCK_N
+    start = ctx_start + split * split_len
+    return start, tl.minimum(start + split_len, ctx_end)
+
+
+@triton.jit
+def group_rows(
+    first,
+    num_tokens,
+    tile,
+    kv_head,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Tile rows for ``BLOCK_M`` tokens x the ``GROUP`` query heads of one KV head (GQA), so each
+    K/V tile is loaded once for the whole group: row ``r`` is token ``first + tile * BLOCK_M + r //
+    BLOCK_G`` of tokens ``first .. first + num_tokens - 1``, head ``kv_head * GROUP + r %
+    BLOCK_G``. Returns each row's token, head and mask (padded heads, tokens past the last)."""
+    offs_r = tl.arange(0, BLOCK_M * BLOCK_G)
+    tok = first + tile * BLOCK_M + offs_r // BLOCK_G
+    group_idx = offs_r % BLOCK_G
+    heads = kv_head * GROUP + group_idx
+    return tok, heads, (tok < first + num_tokens) & (group_idx < GROUP)
+
+
+@triton.jit
+def load_rows(row_ptrs, mask_r, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The ``[rows, BLOCK_D]`` tile of head vectors that start at ``row_ptrs`` (``[rows, 1]``);
+    masked rows and padded dims read 0."""
+    offs_d = tl.arange(0, BLOCK_D)
+    return tl.load(
+        row_ptrs + offs_d[None, :], mask=mask_r[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0
+    )
+
+
+@triton.jit
+def attend_paged(
+    q,
+    q_pos,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    kv_head,
+    start,
+    end,
+    sm_scale_log2,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    """Online softmax of ``q`` (``[ROWS, BLOCK_D]``, ``DOT_DTYPE``) over positions ``start ..
+    end - 1`` of the context behind ``block_table_ptr`` (its row of the block table), one KV
+    head, in tiles of ``BLOCK_N`` tokens; with ``CAUSAL`` row ``r`` sees positions ``<=
+    q_pos[r]`` only (``q_pos`` is not read otherwise). Returns the float32 accumulator
+    ``[ROWS, BLOCK_D]``, running max ``m`` and sum ``l`` (``[ROWS]``, base 2; ``l = 0`` for a row
+    that saw nothing). Every token finds its slot through the block table, so a tile may span
+    several cache blocks and one block several tiles."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_d = offs_d < HEAD_DIM
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        pos = tile_start + offs_n
+        mask_n = pos < end
+        block = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=mask_n, other=0)
+        slot_off = (
+            block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        )
+        kv_offs = slot_off[:, None] + offs_d[None, :]
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2  # [ROWS, BLOCK_N]
+        if CAUSAL:
+            s = tl.where(mask_n[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        else:
+            s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def split_lse(m_i, l_i):
+    """``l`` made safe to divide by (1 for a row that saw nothing) and the base-2 lse ``m +
+    log2(l)`` (``-inf`` for such a row) of ``attend_paged``'s running max and sum. Call it
+    before computing the addresses of the split's stores (see the module docstring)."""
+    nonempty = l_i > 0.0
+    l_safe = tl.where(nonempty, l_i, 1.0)
+    return l_safe, tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf"))
+
+
+@triton.jit
+def store_output(row_ptrs, acc, l_i, mask_r, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Store the attention output ``acc / l_i`` (``[rows, BLOCK_D]`` / ``[rows]``, from
+    ``attend_paged``) in the pointees' dtype, as head vectors at ``row_ptrs`` (``[rows, 1]``);
+    masked rows and padded dims are left alone."""
+    offs_d = tl.arange(0, BLOCK_D)
+    ptrs = row_ptrs + offs_d[None, :]
+    tl.store(
+        ptrs,
+        (acc / l_i[:, None]).to(ptrs.dtype.element_ty),
+        mask=mask_r[:, None] & (offs_d < HEAD_DIM)[None, :],
+    )
+
+
+def head_block(head_dim: int) -> int:
+    """``BLOCK_D``: the head dim padded to a power of two, at least 16 (``tl.dot``'s minimum)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def dot_operands(dtype: torch.dtype, device: torch.device) -> tuple[tl.dtype, str]:
+    """Operand dtype and ``input_precision`` of the kernels' ``tl.dot`` calls.
+
+    On GPUs the cache dtype feeds the tensor cores directly, fp32 in exact ("ieee") mode. Triton's
+    interpreter computes a bf16 ``tl.dot`` on the raw 16-bit patterns (wrong results), so on CPU
+    the operands are upcast to fp32.
+    """
+    if device.type == "cpu" or dtype == torch.float32:
+        return tl.float32, "ieee"
+    return (tl.bfloat16 if dtype == torch.bfloat16 else tl.float16), "tf32"
+
+
+def empty_partials(
+    num_rows: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buffers for the splits' partial results: output ``[num_rows, num_heads, num_splits,
+    head_dim]`` and lse ``[num_rows, num_heads, num_splits]``, float32."""
+    out = torch.empty(
+        (num_rows, num_heads, num_splits, head_dim), dtype=torch.float32, device=device
+    )
+    lse = torch.empty((num_rows, num_heads, num_splits), dtype=torch.float32, device=device)
+    return out, lse
