@@ -231,6 +231,24 @@ def create_app(
         max_waiting=config.max_waiting_requests,
         on_death=on_engine_death,
     )
+    app = build_app(engine, config)
+    app.state.metrics = metrics
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(
+            metrics.render(engine.snapshot()), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    app.include_router(dashboard_router(engine, metrics))
+    return app
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
+    """The OpenAI API and the service routes over ``engine``: an ``AsyncEngine``, or an object
+    with its interface (the scale-out ingress's ``RemoteEngine``). /metrics and /dashboard are
+    the caller's to add: ``create_app`` serves one engine's, the ingress the cluster's."""
+    names = config.served_model_names or [engine.model_name]
     options = dict(
         request_timeout=config.request_timeout, require_cache_salt=config.require_cache_salt
     )
@@ -248,7 +266,7 @@ def create_app(
             await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="prefixserve", version=prefixserve.__version__, lifespan=lifespan)
-    app.state.engine, app.state.metrics, app.state.config = engine, metrics, config
+    app.state.engine, app.state.config = engine, config
 
     @app.exception_handler(APIError)
     async def on_api_error(_: Request, exc: APIError):
@@ -357,13 +375,6 @@ def create_app(
             )
         return {"prompt": engine.tokenizer.decode(req.tokens)}
 
-    @app.get("/metrics")
-    async def prometheus_metrics():
-        return Response(
-            metrics.render(engine.snapshot()), media_type="text/plain; version=0.0.4; charset=utf-8"
-        )
-
-    app.include_router(dashboard_router(engine, metrics))
     app.add_middleware(Gate, max_body_bytes=config.max_request_body_bytes)
     return app
 

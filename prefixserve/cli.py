@@ -213,6 +213,10 @@ def run_serve(args: argparse.Namespace) -> int:
         require_cache_salt=args.require_cache_salt,
         chat_template_content_format=args.chat_template_content_format,
     )
+    from prefixserve.scale_out.launcher import run_scale_out, wants_scale_out
+
+    if wants_scale_out(args):
+        return run_scale_out(args, config)
     fault = os.environ.get(FAULT_INJECT_ENV)
     hook = fault_injector(fault) if fault else None
     return run_server(
@@ -233,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_engine_args(serve)
     _add_serve_args(serve)
+    from prefixserve.scale_out.launcher import add_scale_out_args
+
+    add_scale_out_args(serve)
     return parser
 
 

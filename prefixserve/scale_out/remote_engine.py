@@ -1,0 +1,230 @@
+"""``RemoteEngine``: the ``AsyncEngine`` interface the HTTP handlers use, served by the engine
+replicas of a Ray Serve deployment instead of one engine thread.
+
+::
+
+    handler ── add(id, token ids, params) ──▶ pump task ── handle.generate(EngineRequest) ──▶ router
+       ▲                                          │          ──▶ replica: AsyncEngine.add, stream
+       └── RequestStream.queue ◀── RequestOutput ─┘ ◀── ACCEPTED, RequestOutput, ... (finished)
+    abort(id) / fail_all(error) ──▶ cancel the pump ──▶ Serve cancels the replica's generator,
+                                                       whose ``finally`` aborts the engine request
+
+Invariants: ``add`` returns once a replica's engine accepted the request, or raises the error it
+refused it with (a typed 4xx, as ``AsyncEngine.add``); every stream then gets exactly one terminal
+item. A replica that fails before the request produced any output (it died, restarted, or could
+not be reached) is invisible to the client: the request is sent again, and the router, told of
+the death, picks another replica. After the first output it cannot be resumed: the stream ends
+with a 503 ``APIError`` (an OpenAI-shaped error event), never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from prefixserve.api.async_engine import RETRY_AFTER_SECONDS, EngineOverloadedError, RequestStream
+from prefixserve.api.protocol import APIError
+from prefixserve.outputs import RequestOutput
+from prefixserve.sampling_params import BeamSearchParams, SamplingParams
+from prefixserve.scale_out.protocol import ACCEPTED, EngineRequest
+from prefixserve.structured_outputs.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 4
+_RETRY_BACKOFF_S = 0.2
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the ingress needs to know of the replicas' engine (``EngineReplica.describe``)."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    block_size: int
+
+
+class ReplicaFailedError(APIError):
+    """The replica serving a request failed after it had started answering."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 503, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
+def _settle(future: asyncio.Future, exc: BaseException | None) -> None:
+    if not future.done():
+        if exc is None:
+            future.set_result(None)
+        else:
+            future.set_exception(exc)
+
+
+class RemoteEngine:
+    """Stands in for ``AsyncEngine`` in ``build_app``: same methods, same stream type.
+
+    ``handle`` is the engine deployment's handle; ``tokenizer`` the ingress's own (it tokenizes
+    and renders chat templates once, so the router and the engine hash the same tokens).
+    ``max_waiting`` bounds the requests sent but not yet accepted by any replica.
+    """
+
+    def __init__(
+        self,
+        handle: Any,
+        tokenizer: Any,
+        info: EngineInfo,
+        max_waiting: int | None = None,
+        max_attempts: int = MAX_ATTEMPTS,
+    ) -> None:
+        self._generate = handle.options(method_name="generate", stream=True)
+        self.tokenizer = tokenizer
+        self.info = info
+        self.model_name = info.model_name
+        self.max_model_len = info.max_model_len
+        self.eos_token_ids = info.eos_token_ids
+        self.max_waiting = max_waiting
+        self.max_attempts = max_attempts
+        self.dead: BaseException | None = None
+        self._live: dict[str, tuple[asyncio.Task, RequestStream]] = {}
+        self._num_accepting = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._grammars = None  # a StructuredOutputManager, built on first use
+
+    # ---- the AsyncEngine interface ------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+
+    def stop(self) -> None:
+        """End every request in flight with a 503 (thread-safe: the lifespan calls it off-loop)."""
+        if self._loop is not None and not self._loop.is_closed():
+            error = APIError("the server shut down before this request finished; retry it", 503)
+            self._loop.call_soon_threadsafe(self.fail_all, error)
+        if self._grammars is not None:
+            self._grammars.shutdown()
+
+    def admit(self, count: int) -> None:
+        if self.max_waiting is not None and self._num_accepting + count > self.max_waiting:
+            raise EngineOverloadedError(
+                f"the server is overloaded: {self._num_accepting} requests wait for a replica "
+                f"(limit {self.max_waiting}); retry after {RETRY_AFTER_SECONDS} s"
+            )
+
+    async def add(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | BeamSearchParams,
+        timeout: float | None = None,
+    ) -> RequestStream:
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, loop.create_future())
+        if timeout is not None:
+            stream.deadline, stream.timeout = time.monotonic() + timeout, timeout
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        pump = asyncio.create_task(self._pump(EngineRequest(request_id, token_ids, params), stream))
+        self._live[request_id] = (pump, stream)
+        pump.add_done_callback(lambda _: self._live.pop(request_id, None))
+        self._num_accepting += 1
+        try:
+            await stream.accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        finally:
+            self._num_accepting -= 1
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        live = self._live.get(request_id)
+        if live is not None:
+            live[0].cancel()
+
+    def fail_all(self, error: BaseException) -> None:
+        for pump, stream in list(self._live.values()):
+            pump.cancel()
+            self._fail(stream, error)
+
+    async def compile_grammar(self, params: StructuredOutputsParams) -> None:
+        """Check a grammar at the door (a 400 before any replica sees the request); the
+        replica compiles it again into its own cache."""
+        if self._grammars is None:
+            from prefixserve.structured_outputs.manager import StructuredOutputManager
+
+            self._grammars = StructuredOutputManager(
+                self.tokenizer, self.info.vocab_size, sorted(self.eos_token_ids)
+            )
+        await asyncio.wrap_future(self._grammars.submit(params))
+
+    # ---- one request ---------------------------------------------------------------------------
+
+    async def _pump(self, request: EngineRequest, stream: RequestStream) -> None:
+        """Send the request (again, while nothing reached the client) and feed its stream."""
+        delivered = False
+        for attempt in range(1, self.max_attempts + 1):
+            # a fresh engine id per attempt: a replica that only seemed gone may still hold one
+            sent = (
+                request
+                if attempt == 1
+                else replace(request, request_id=f"{request.request_id}~{attempt}")
+            )
+            responses = self._generate.remote(sent)
+            try:
+                async for item in responses:
+                    if isinstance(item, BaseException):  # the engine refused or failed it
+                        self._fail(stream, item)
+                        return
+                    if item == ACCEPTED:
+                        _settle(stream.accepted, None)
+                        continue
+                    delivered = True
+                    stream.queue.put_nowait(self._restore(item, request))
+                    if item.finished:
+                        return
+                raise RuntimeError("the replica ended the stream before the request finished")
+            except asyncio.CancelledError:
+                responses.cancel()
+                raise
+            except Exception as exc:  # the replica or the way to it failed
+                if not delivered and attempt < self.max_attempts:
+                    logger.warning(
+                        "request %s: replica failed before answering (%s); sending it again",
+                        request.request_id, _short(exc),
+                    )  # fmt: skip
+                    await asyncio.sleep(_RETRY_BACKOFF_S * attempt)
+                    continue
+                self._fail(stream, self._failure(exc, delivered))
+                return
+
+    @staticmethod
+    def _restore(output: RequestOutput, request: EngineRequest) -> RequestOutput:
+        if not output.prompt_token_ids:  # the ids sent: the replica leaves them out
+            output.prompt_token_ids = request.prompt_token_ids
+        return output
+
+    @staticmethod
+    def _failure(exc: BaseException, delivered: bool) -> APIError:
+        when = "while streaming" if delivered else "before answering"
+        return ReplicaFailedError(
+            f"the engine replica serving this request failed {when} ({_short(exc)}); "
+            "retry the request"
+        )
+
+    @staticmethod
+    def _fail(stream: RequestStream, error: BaseException) -> None:
+        if stream.accepted.done():
+            stream.queue.put_nowait(error)
+        else:
+            _settle(stream.accepted, error)
+
+
+def _short(exc: BaseException) -> str:
+    """A one-line description of a Ray error (their messages carry whole tracebacks)."""
+    cause = getattr(exc, "cause", None)
+    first = str(cause if cause is not None else exc).strip().splitlines()
+    return f"{type(exc).__name__}: {first[0][:200]}" if first else type(exc).__name__
