@@ -83,6 +83,25 @@ class RequestStream:
     deadline: float | None = None
     timeout: float | None = None
 
+    @classmethod
+    def create(cls, request_id: str, timeout: float | None = None) -> RequestStream:
+        """A stream whose ``accepted`` future belongs to the running loop; with ``timeout``
+        (seconds from now) it raises ``RequestTimeoutError`` once that passes."""
+        stream = cls(request_id, asyncio.get_running_loop().create_future())
+        if timeout is not None:
+            stream.deadline, stream.timeout = time.monotonic() + timeout, timeout
+        return stream
+
+    def settle_accepted(self, error: BaseException | None) -> None:
+        """Resolve ``accepted``: the engine took the request (``error`` None) or refused it with
+        ``error``. Only the first call counts; later ones are ignored."""
+        if self.accepted.done():
+            return
+        if error is None:
+            self.accepted.set_result(None)
+        else:
+            self.accepted.set_exception(error)
+
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:
             item = await self._next()
@@ -185,9 +204,7 @@ class AsyncEngine:
         """
         if self.dead is not None:
             raise EngineDeadError(f"the engine is not running: {self.dead!r}")
-        stream = RequestStream(request_id, asyncio.get_running_loop().create_future())
-        if timeout is not None:
-            stream.deadline, stream.timeout = time.monotonic() + timeout, timeout
+        stream = RequestStream.create(request_id, timeout)
         with self._cond:
             self._adds.append((stream, prompt, params))
             self._cond.notify()
@@ -257,11 +274,11 @@ class AsyncEngine:
         try:
             self.engine.add_request(stream.request_id, prompt, params)
         except Exception as exc:
-            self._loop.call_soon_threadsafe(_settle, stream.accepted, exc)
+            self._loop.call_soon_threadsafe(stream.settle_accepted, exc)
             return
         self._streams[stream.request_id] = stream
         self._arrivals[stream.request_id] = time.monotonic()
-        self._loop.call_soon_threadsafe(_settle, stream.accepted, None)
+        self._loop.call_soon_threadsafe(stream.settle_accepted, None)
 
     def _count_waiting(self) -> None:
         num_waiting = self.engine.stats().num_waiting
@@ -307,18 +324,9 @@ class AsyncEngine:
             return
         self._loop.call_soon_threadsafe(_deliver, [(s, error) for s in streams])
         for stream in pending:
-            self._loop.call_soon_threadsafe(_settle, stream.accepted, error)
+            self._loop.call_soon_threadsafe(stream.settle_accepted, error)
         if self.on_death is not None:
             self._loop.call_soon_threadsafe(self.on_death, exc)
-
-
-def _settle(future: asyncio.Future, exc: BaseException | None) -> None:
-    if future.done():
-        return
-    if exc is None:
-        future.set_result(None)
-    else:
-        future.set_exception(exc)
 
 
 def _deliver(deliveries: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:

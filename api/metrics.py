@@ -129,26 +129,18 @@ class ServerMetrics:
             ["model_name", "finish_reason"],
             registry=self.registry,
         )
-        self.ttft = Histogram(
-            "prefixserve_time_to_first_token_seconds",
-            "Time to first token.",
-            ["model_name"],
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+
+        self.ttft = histogram(
+            "prefixserve_time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
         )
-        self.itl = Histogram(
-            "prefixserve_inter_token_latency_seconds",
-            "Time between output tokens.",
-            ["model_name"],
-            buckets=_ITL_BUCKETS,
-            registry=self.registry,
+        self.itl = histogram(
+            "prefixserve_inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS
         )
-        self.e2e = Histogram(
-            "prefixserve_e2e_request_latency_seconds",
-            "Request latency.",
-            ["model_name"],
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+        self.e2e = histogram(
+            "prefixserve_e2e_request_latency_seconds", "Request latency.", _LATENCY_BUCKETS
         )
         self._lock = threading.Lock()
         self._recent_ttft: deque[float] = deque(maxlen=RECENT_TTFT)

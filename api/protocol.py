@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -19,6 +19,7 @@ from prefixserve.sampling_params import MAX_LOGPROBS
 MAX_N = 16
 """Most choices (``n``, or beams) one request may ask for."""
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+_ChoiceT = TypeVar("_ChoiceT", bound=BaseModel)
 
 
 def random_id(prefix: str) -> str:
@@ -167,13 +168,20 @@ class ChatChoice(BaseModel):
     token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatCompletionResponse(BaseModel):
+class _CompletionResponseFields(BaseModel, Generic[_ChoiceT]):
+    """What every non-streaming completion response carries, in wire order; a subclass pins
+    ``object`` (a redeclared field keeps its place) and appends its own fields after ``usage``."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: list[ChatChoice]
+    choices: list[_ChoiceT]
     usage: Usage
+
+
+class ChatCompletionResponse(_CompletionResponseFields[ChatChoice]):
+    object: Literal["chat.completion"] = "chat.completion"
     prompt_logprobs: list[dict[str, Any] | None] | None = None
     prompt_token_ids: list[int] | None = None  # return_token_ids
 
@@ -189,13 +197,8 @@ class CompletionChoice(BaseModel):
     token_ids: list[int] | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_CompletionResponseFields[CompletionChoice]):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
 
 
 class ModelCard(BaseModel):

@@ -26,13 +26,13 @@ from pathlib import Path
 
 import torch
 import transformers
+from workloads import RESULTS_DIR
 
 from prefixserve.config import EngineConfig
 from prefixserve.engine import LLMEngine
 from prefixserve.models.builtin import builtin_tokenizer
 from prefixserve.sampling_params import SamplingParams
 
-RESULTS_DIR = Path(__file__).parent / "results"
 DEFAULT_MODEL_DIR = RESULTS_DIR / "bench-model"
 SHAPE = {
     "hidden_size": 512,

@@ -39,22 +39,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from bench_model import RESULTS_DIR
 from report import save_figure, write_json
-
-TOKEN_RANGE = (10, 700)
-WORDS = [
-    "cache",
-    "prefix",
-    "block",
-    "token",
-    "agent",
-    "tool",
-    "query",
-    "answer",
-    "model",
-    "server",
-    "batch",
-    "step",
-]
+from workloads import WORDS, random_tokens
 
 
 @dataclass
@@ -75,7 +60,7 @@ class Turn:
 def make_prompt(rng: random.Random, n: int, fmt: str) -> list[int] | str:
     """``n`` random token ids, or about ``n`` tokens of random words."""
     if fmt == "ids":
-        return [rng.randrange(*TOKEN_RANGE) for _ in range(n)]
+        return random_tokens(rng, n)
     return " ".join(rng.choice(WORDS) for _ in range(max(1, n // 2)))
 
 

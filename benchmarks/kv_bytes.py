@@ -33,6 +33,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from workloads import RESULTS_DIR
+
 from prefixserve.attention.metadata import SeqSpan, build_attention_metadata
 from prefixserve.attention.triton_backend import cascade_decode_groups
 from prefixserve.kv.hashing import extend_block_hashes
@@ -43,7 +45,6 @@ KV_BYTES_PER_TOKEN = 2 * NUM_KV_HEADS * HEAD_DIM * DTYPE_BYTES  # K and V, one l
 SEQS = (16, 64, 256)
 SHARED = (1024, 8192, 32768)
 QUICK_SEQS, QUICK_SHARED = (16, 64), (1024, 8192)
-DEFAULT_OUT_DIR = Path(__file__).parent / "results"
 
 
 @dataclass(slots=True)
@@ -136,7 +137,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--suffix", type=int, default=128, help="own tokens per sequence")
-    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK_SEQS} sequences x {QUICK_SHARED} shared tokens only")  # fmt: skip
     return parser.parse_args(argv)

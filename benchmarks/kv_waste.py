@@ -34,7 +34,6 @@ import argparse
 import json
 import math
 import os
-import random
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -45,18 +44,15 @@ import torch
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from workloads import SHAREGPT, random_prompt, sample_lengths
+from workloads import MAX_MODEL_LEN, SHAREGPT, build_requests, parse_run_options
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.engine import LLMEngine
 
 BLOCK_SIZES = (8, 16, 32)
 BASELINE_BLOCK_SIZE = 16
-MAX_MODEL_LEN = 4096  # the built-in model's context
-PROMPT_VOCAB = 710  # the built-in model's ids below its special tokens
 TARGET_WASTE_PCT = 4.0
 PAPER_CONTIGUOUS_WASTE_PCT = (61.8, 79.6)
-DEFAULT_OUT_DIR = Path(__file__).parent / "results"
 
 
 @dataclass(slots=True)
@@ -162,12 +158,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         )
     )
     parser.add_argument("--num-requests", type=int, default=16, help="requests in the batch")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
-    parser.add_argument("--quick", action="store_true",
-                        help="4 requests, inputs capped at 40 tokens, outputs at 8 (CI smoke test)")  # fmt: skip
-    return parser.parse_args(argv)
+    return parse_run_options(parser, argv, "4 requests, inputs capped at 40 tokens, outputs at 8")
 
 
 def main(argv: list[str] | None = None) -> list[WasteRow]:
@@ -175,11 +166,7 @@ def main(argv: list[str] | None = None) -> list[WasteRow]:
     torch.set_num_threads(args.threads)
     num_requests = 4 if args.quick else args.num_requests
     max_input, max_output = (40, 8) if args.quick else (MAX_MODEL_LEN, MAX_MODEL_LEN)
-    rng = random.Random(args.seed)
-    requests = [
-        (random_prompt(rng, min(n_in, max_input), PROMPT_VOCAB), min(n_out, max_output))
-        for n_in, n_out in sample_lengths(SHAREGPT, num_requests, args.seed, MAX_MODEL_LEN)
-    ]
+    requests = build_requests(SHAREGPT, num_requests, args.seed, max_input, max_output)
     start = time.perf_counter()
     runs = {}
     for bs in BLOCK_SIZES:

@@ -22,7 +22,8 @@ from __future__ import annotations
 import random
 
 from bench_model import BenchRequest
-from shared_prefix import common_args, random_tokens, run_comparison, save_and_print
+from shared_prefix import common_args, run_comparison, save_and_print
+from workloads import random_tokens
 
 
 def main(argv: list[str] | None = None) -> dict:

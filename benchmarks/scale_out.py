@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import random
@@ -34,9 +33,10 @@ from pathlib import Path
 
 import httpx
 from bench_model import RESULTS_DIR, BenchRequest, ensure_checkpoint, machine
+from http_load import Turn, stream_completion
 from report import hit_rate, plot_result, summarize, write_json
+from workloads import random_tokens
 
-TOKEN_RANGE = (10, 700)
 SYSTEMS = ("prefix", "pow2", "ray-prefix", "single")
 BLOCK_SIZE = 16
 MODEL = "bench"
@@ -79,14 +79,11 @@ def pool_blocks(args: argparse.Namespace) -> int:
 
 def make_requests(args: argparse.Namespace) -> list[BenchRequest]:
     rng = random.Random(args.seed)
-    systems = [
-        [rng.randrange(*TOKEN_RANGE) for _ in range(args.system_len)] for _ in range(args.groups)
-    ]
+    systems = [random_tokens(rng, args.system_len) for _ in range(args.groups)]
     return [
         BenchRequest(
             f"r{i}",
-            systems[i % args.groups]
-            + [rng.randrange(*TOKEN_RANGE) for _ in range(args.question_len)],
+            systems[i % args.groups] + random_tokens(rng, args.question_len),
             args.output_len,
             group=f"g{i % args.groups}",
         )
@@ -132,32 +129,15 @@ def deploy(args: argparse.Namespace, system: str, base: str, app_name: str) -> N
 
 
 async def stream_one(client: httpx.AsyncClient, req: BenchRequest) -> None:
-    body = {
-        "model": MODEL,
-        "prompt": req.prompt,
-        "max_tokens": req.max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    req.submit_time = time.perf_counter()
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"{req.request_id}: HTTP {resp.status_code}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"{req.request_id}: {event['error']}")
-            if event.get("choices") and req.first_token_time is None:
-                req.first_token_time = time.perf_counter()
-            if event.get("usage"):
-                usage = event["usage"]
-                req.num_cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
-                req.output = [-1] * usage["completion_tokens"]  # ids are not needed here
-    req.finish_time = time.perf_counter()
+    """``req`` as one streamed completion (``http_load``'s client); fills its times and usage."""
+    turn = Turn(0, 0, req.prompt)
+    await stream_completion(client, MODEL, turn, req.max_tokens)
+    if turn.error is not None:
+        raise RuntimeError(f"{req.request_id}: {turn.error}")
+    req.submit_time, req.finish_time = turn.submit, time.perf_counter()
+    req.first_token_time = turn.chunks[0] if turn.chunks else None
+    req.num_cached_tokens = turn.cached_tokens
+    req.output = [-1] * turn.completion_tokens  # ids are not needed here
 
 
 async def drive(base: str, requests: list[BenchRequest], concurrency: int) -> float:

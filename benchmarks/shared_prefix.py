@@ -46,12 +46,7 @@ from bench_model import (
 )
 from hf_baselines import HFServer, pad_token_id
 from report import agreement, hit_rate, plot_result, summarize, write_json
-
-TOKEN_RANGE = (10, 700)  # plain byte / merge tokens of the built-in tokenizer, no special tokens
-
-
-def random_tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(*TOKEN_RANGE) for _ in range(n)]
+from workloads import random_tokens
 
 
 def common_args(description: str) -> argparse.ArgumentParser:

@@ -33,7 +33,6 @@ import argparse
 import json
 import math
 import os
-import random
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -44,23 +43,20 @@ import torch
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from workloads import DISTRIBUTIONS, LengthDistribution, random_prompt, sample_lengths
+from workloads import DISTRIBUTIONS, MAX_MODEL_LEN, build_requests, parse_run_options
 
 from prefixserve import LLM, BeamSearchParams, SamplingParams
 from prefixserve.engine import LLMEngine
 
 BLOCK_SIZE = 16
-MAX_MODEL_LEN = 4096  # the built-in model's context
 WIDTHS = (2, 4, 6)
 MODES = ("parallel", "beam")
-PROMPT_VOCAB = 710  # the built-in model's ids below its special tokens
 PAPER_SAVING_PCT = {  # Kwon et al. 2023, section 6.3: (low, high) over widths 2..6
     ("parallel", "alpaca"): (6.1, 9.8),
     ("parallel", "sharegpt"): (16.2, 30.5),
     ("beam", "alpaca"): (37.6, 55.2),
     ("beam", "sharegpt"): (44.3, 66.3),
 }
-DEFAULT_OUT_DIR = Path(__file__).parent / "results"
 
 
 @dataclass(slots=True)
@@ -143,17 +139,6 @@ def run_setting(
     )
 
 
-def build_requests(
-    dist: LengthDistribution, num_requests: int, seed: int, max_input: int, max_output: int
-) -> list[tuple[list[int], int]]:
-    """(prompt token ids, output length) per request, lengths capped at the given maxima."""
-    rng = random.Random(seed)
-    return [
-        (random_prompt(rng, min(n_in, max_input), PROMPT_VOCAB), min(n_out, max_output))
-        for n_in, n_out in sample_lengths(dist, num_requests, seed, MAX_MODEL_LEN)
-    ]
-
-
 def blocks_needed(requests: list[tuple[list[int], int]], width: int) -> int:
     """KV blocks that hold every sequence unshared at its final length: nothing is preempted."""
     return sum(width * math.ceil((len(p) + out) / BLOCK_SIZE) for p, out in requests)
@@ -228,12 +213,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-requests", type=int, default=16, help="requests per batch")
     parser.add_argument("--beam-max-tokens", type=int, default=256,
                         help="cap on beam-search output lengths (run time)")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
-    parser.add_argument("--quick", action="store_true",
-                        help="2 requests, inputs capped at 32 tokens, outputs at 4 (CI smoke test)")  # fmt: skip
-    return parser.parse_args(argv)
+    return parse_run_options(parser, argv, "2 requests, inputs capped at 32 tokens, outputs at 4")
 
 
 def main(argv: list[str] | None = None) -> list[SettingResult]:

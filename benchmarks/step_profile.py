@@ -35,7 +35,7 @@ from bench_model import (
     set_threads,
 )
 from report import save_figure, write_json
-from shared_prefix import random_tokens
+from workloads import random_tokens
 
 PHASES = ("schedule", "prepare", "forward", "sample", "output")
 TARGET_NON_FORWARD_PCT = 15.0

@@ -43,7 +43,7 @@ from bench_model import (
     set_threads,
 )
 from report import write_json
-from shared_prefix import random_tokens
+from workloads import random_tokens
 
 from prefixserve.engine import LLMEngine
 from prefixserve.sampling_params import SamplingParams

@@ -1,4 +1,5 @@
-"""Synthetic request-length distributions shared by the benchmarks (pure functions, no engine).
+"""Synthetic workloads shared by the benchmarks (pure functions, no engine): request-length
+distributions, random prompts, and the options and request lists of the KV-memory benchmarks.
 
 The two distributions stand in for the datasets of the PagedAttention paper (Kwon et al., SOSP
 2023, Fig. 11), whose means they copy; their shapes (lognormal, the sigmas below) are our choice,
@@ -20,10 +21,32 @@ for the built-in model), which trims the ShareGPT means by under 1%.
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from statistics import NormalDist
+
+RESULTS_DIR = Path(__file__).parent / "results"
+MAX_MODEL_LEN = 4096  # the built-in model's context
+PROMPT_VOCAB = 710  # the built-in model's ids below its special tokens
+TOKEN_RANGE = (10, 700)  # plain byte / merge tokens of the built-in tokenizer, no special tokens
+# the vocabulary of random text prompts (``http_load.py --prompt-format text``)
+WORDS = [
+    "cache",
+    "prefix",
+    "block",
+    "token",
+    "agent",
+    "tool",
+    "query",
+    "answer",
+    "model",
+    "server",
+    "batch",
+    "step",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,3 +105,32 @@ def sample_lengths(
 def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
     """Uniform random token ids in ``[0, vocab_size)``: two prompts share no prefix block."""
     return [rng.randrange(vocab_size) for _ in range(length)]
+
+
+def random_tokens(rng: random.Random, n: int) -> list[int]:
+    """``n`` random ids in ``TOKEN_RANGE``: ordinary text tokens, never a special token."""
+    return [rng.randrange(*TOKEN_RANGE) for _ in range(n)]
+
+
+def build_requests(
+    dist: LengthDistribution, num_requests: int, seed: int, max_input: int, max_output: int
+) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length) per request for the built-in model, lengths drawn from
+    ``dist`` and capped at the given maxima."""
+    rng = random.Random(seed)
+    return [
+        (random_prompt(rng, min(n_in, max_input), PROMPT_VOCAB), min(n_out, max_output))
+        for n_in, n_out in sample_lengths(dist, num_requests, seed, MAX_MODEL_LEN)
+    ]
+
+
+def parse_run_options(
+    parser: argparse.ArgumentParser, argv: list[str] | None, quick_help: str
+) -> argparse.Namespace:
+    """Parse ``argv`` with the options the KV-memory benchmarks share added after their own;
+    ``quick_help`` says what ``--quick`` shrinks."""
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--quick", action="store_true", help=f"{quick_help} (CI smoke test)")
+    return parser.parse_args(argv)

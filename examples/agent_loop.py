@@ -10,10 +10,9 @@ loop records the call an agent would have made (the shape of the history is what
 
 from __future__ import annotations
 
-import argparse
 import json
 
-from openai import OpenAI
+from common import connect, example_parser
 
 SYSTEM = (
     "You are an operations agent for a fleet of web servers. Use the tools to inspect hosts "
@@ -36,14 +35,10 @@ TOOLS = [
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    parser.add_argument("--api-key", default="EMPTY")
+    parser = example_parser(__doc__)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=16)
-    args = parser.parse_args()
-    client = OpenAI(base_url=args.base_url, api_key=args.api_key)
-    model = client.models.list().data[0].id
+    args, client, model = connect(parser)
     messages = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": "Which of web-0 .. web-9 is unhealthy?"},

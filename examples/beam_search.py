@@ -6,21 +6,15 @@ Beams fork from the prompt and from each other, sharing KV blocks until they div
 
 from __future__ import annotations
 
-import argparse
-
-from openai import OpenAI
+from common import connect, example_parser
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    parser.add_argument("--api-key", default="EMPTY")
+    parser = example_parser(__doc__)
     parser.add_argument("--beam-width", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--length-penalty", type=float, default=1.0)
-    args = parser.parse_args()
-    client = OpenAI(base_url=args.base_url, api_key=args.api_key)
-    model = client.models.list().data[0].id
+    args, client, model = connect(parser)
     out = client.completions.create(
         model=model,
         prompt="The best way to reuse a long prompt is",

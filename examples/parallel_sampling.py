@@ -6,20 +6,14 @@ fork from it and share its KV blocks (copy-on-write).
 
 from __future__ import annotations
 
-import argparse
-
-from openai import OpenAI
+from common import connect, example_parser
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    parser.add_argument("--api-key", default="EMPTY")
+    parser = example_parser(__doc__)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
-    args = parser.parse_args()
-    client = OpenAI(base_url=args.base_url, api_key=args.api_key)
-    model = client.models.list().data[0].id
+    args, client, model = connect(parser)
     prompt = "Write a one-line slogan for a serving engine that shares prefixes: " * 4
     out = client.completions.create(
         model=model,

@@ -7,10 +7,8 @@ server's prefix-cache hit rate read from /metrics.
 
 from __future__ import annotations
 
-import argparse
-
 import httpx
-from openai import OpenAI
+from common import connect, example_parser
 
 DOCUMENTS = [
     f"Document {i}: prefixserve stores the KV cache in blocks of 16 tokens. A block is identified by "
@@ -34,14 +32,10 @@ def hit_rate(metrics_url: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    parser.add_argument("--api-key", default="EMPTY")
+    parser = example_parser(__doc__)
     parser.add_argument("--questions", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=8)
-    args = parser.parse_args()
-    client = OpenAI(base_url=args.base_url, api_key=args.api_key)
-    model = client.models.list().data[0].id
+    args, client, model = connect(parser)
     context = "\n\n".join(DOCUMENTS)
     for q in range(args.questions):
         messages = [

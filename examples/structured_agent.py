@@ -12,10 +12,9 @@ reuses the previous one from the prefix cache: the script prints cached_tokens p
 
 from __future__ import annotations
 
-import argparse
 import json
 
-from openai import OpenAI
+from common import connect, example_parser
 
 SYSTEM = "You are an operations agent. Inspect hosts with the tools, then report. " * 2
 TOOLS = [
@@ -43,13 +42,9 @@ REPORT = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    parser.add_argument("--api-key", default="EMPTY")
+    parser = example_parser(__doc__)
     parser.add_argument("--turns", type=int, default=4)
-    args = parser.parse_args()
-    client = OpenAI(base_url=args.base_url, api_key=args.api_key)
-    model = client.models.list().data[0].id
+    args, client, model = connect(parser)
     messages = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": "Which of web-0 .. web-9 is unhealthy?"},

@@ -1,5 +1,5 @@
 """What the attention kernels share: query rows packed by KV head, the walk over a paged context
-with an online softmax, and the result of a split; with the host-side choices that go with them.
+with an online softmax, and the result of a split; with the host-side launch that goes with them.
 
 A kernel here is its own grid, rows and range of positions around the same steps::
 
@@ -20,10 +20,13 @@ Conventions: a context is read through one row of the block table (position ``p`
 ``block_table[p // BLOCK_SIZE]``, slot ``p % BLOCK_SIZE``); scores are base 2 (``q.k * scale *
 log2(e)``, the softmax runs on ``exp2``); accumulation is float32. A split's partial result is
 ``acc / l`` and ``lse = m + log2(l)`` (base 2); an empty split stores zeros and ``lse = -inf``, so
-a merge by log-sum-exp gives it weight exactly 0.
+a merge by log-sum-exp gives it weight exactly 0. Every attention kernel's arguments start with
+those of ``PagedLaunch.args`` and its constexprs include ``PagedLaunch.constexprs``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -87,22 +90,23 @@ def attend_paged(
     stride_cb,
     stride_cs,
     stride_ch,
-    ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     CAUSAL: tl.constexpr,
 ):
-    """Online softmax of ``q`` (``[ROWS, BLOCK_D]``, ``DOT_DTYPE``) over positions ``start ..
-    end - 1`` of the context behind ``block_table_ptr`` (its row of the block table), one KV
-    head, in tiles of ``BLOCK_N`` tokens; with ``CAUSAL`` row ``r`` sees positions ``<=
-    q_pos[r]`` only (``q_pos`` is not read otherwise). Returns the float32 accumulator
-    ``[ROWS, BLOCK_D]``, running max ``m`` and sum ``l`` (``[ROWS]``, base 2; ``l = 0`` for a row
-    that saw nothing). Every token finds its slot through the block table, so a tile may span
-    several cache blocks and one block several tiles."""
+    """Online softmax of ``q`` (``[ROWS, BLOCK_D]``, from ``load_rows``; cast to ``DOT_DTYPE``)
+    over positions ``start .. end - 1`` of the context behind ``block_table_ptr`` (its row of
+    the block table), one KV head, in tiles of ``BLOCK_N`` tokens; with ``CAUSAL`` row ``r`` sees
+    positions ``<= q_pos[r]`` only (``q_pos`` is not read otherwise). Returns the float32
+    accumulator ``[ROWS, BLOCK_D]``, running max ``m`` and sum ``l`` (``[ROWS]``, base 2; ``l =
+    0`` for a row that saw nothing). Every token finds its slot through the block table, so a
+    tile may span several cache blocks and one block several tiles."""
+    ROWS: tl.constexpr = q.shape[0]
+    BLOCK_D: tl.constexpr = q.shape[1]
+    q = q.to(DOT_DTYPE)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     mask_d = offs_d < HEAD_DIM
@@ -145,11 +149,11 @@ def split_lse(m_i, l_i):
 
 
 @triton.jit
-def store_output(row_ptrs, acc, l_i, mask_r, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+def store_output(row_ptrs, acc, l_i, mask_r, HEAD_DIM: tl.constexpr):
     """Store the attention output ``acc / l_i`` (``[rows, BLOCK_D]`` / ``[rows]``, from
     ``attend_paged``) in the pointees' dtype, as head vectors at ``row_ptrs`` (``[rows, 1]``);
     masked rows and padded dims are left alone."""
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.arange(0, acc.shape[1])
     ptrs = row_ptrs + offs_d[None, :]
     tl.store(
         ptrs,
@@ -175,13 +179,60 @@ def dot_operands(dtype: torch.dtype, device: torch.device) -> tuple[tl.dtype, st
     return (tl.bfloat16 if dtype == torch.bfloat16 else tl.float16), "tf32"
 
 
-def empty_partials(
-    num_rows: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Buffers for the splits' partial results: output ``[num_rows, num_heads, num_splits,
-    head_dim]`` and lse ``[num_rows, num_heads, num_splits]``, float32."""
-    out = torch.empty(
-        (num_rows, num_heads, num_splits, head_dim), dtype=torch.float32, device=device
-    )
-    lse = torch.empty((num_rows, num_heads, num_splits), dtype=torch.float32, device=device)
-    return out, lse
+@dataclass(frozen=True, slots=True)
+class PagedLaunch:
+    """One attention launch over the paged cache: ``query`` ``[tokens, num_heads, head_dim]`` and
+    ``k_cache``/``v_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]`` (last dims
+    contiguous, V laid out as K), and the softmax ``scale``. What every attention kernel takes
+    from them: its first arguments (``args``) and some of its constexprs (``constexprs``)."""
+
+    query: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    scale: float
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_cache.shape[2]
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.query.shape[1] // self.num_kv_heads
+
+    def args(self) -> tuple:
+        """``q_ptr, k_cache_ptr, v_cache_ptr, sm_scale_log2, stride_qt, stride_qh, stride_cb,
+        stride_cs, stride_ch`` (``sm_scale_log2 = scale * log2(e)``: base-2 scores)."""
+        return (
+            self.query,
+            self.k_cache,
+            self.v_cache,
+            self.scale * LOG2E,
+            *self.query.stride()[:2],
+            *self.k_cache.stride()[:3],
+        )
+
+    def constexprs(self) -> dict[str, object]:
+        """``GROUP``, ``HEAD_DIM``, ``BLOCK_D`` (``head_block``), ``BLOCK_SIZE`` and the
+        ``tl.dot`` operands ``DOT_DTYPE``, ``PRECISION`` (``dot_operands``)."""
+        head_dim = self.query.shape[2]
+        dot_dtype, precision = dot_operands(self.k_cache.dtype, self.query.device)
+        return {
+            "GROUP": self.group,
+            "HEAD_DIM": head_dim,
+            "BLOCK_D": head_block(head_dim),
+            "BLOCK_SIZE": self.k_cache.shape[1],
+            "DOT_DTYPE": dot_dtype,
+            "PRECISION": precision,
+        }
+
+    def empty_partials(self, num_rows: int, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffers for the splits' partial results: output ``[num_rows, num_heads, num_splits,
+        head_dim]`` and lse ``[num_rows, num_heads, num_splits]``, float32."""
+        _, num_heads, head_dim = self.query.shape
+        device = self.query.device
+        out = torch.empty(
+            (num_rows, num_heads, num_splits, head_dim), dtype=torch.float32, device=device
+        )
+        lse = torch.empty((num_rows, num_heads, num_splits), dtype=torch.float32, device=device)
+        return out, lse

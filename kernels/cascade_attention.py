@@ -44,10 +44,8 @@ import torch
 import triton
 import triton.language as tl
 from prefixserve.kernels.attention_common import (
-    LOG2E,
+    PagedLaunch,
     attend_paged,
-    dot_operands,
-    empty_partials,
     group_rows,
     head_block,
     load_rows,
@@ -55,7 +53,7 @@ from prefixserve.kernels.attention_common import (
     split_range,
     store_output,
 )
-from prefixserve.kernels.decode_attention import decode_attention, decode_splits, default_num_splits
+from prefixserve.kernels.decode_attention import decode_splits, default_num_splits, merge_splits
 from prefixserve.kernels.merge_attn_states import Parts, merge_parts
 
 # cascade_pays (estimates, to be calibrated by a GPU benchmark): the HBM bandwidth a decode
@@ -156,19 +154,19 @@ def _shared_prefix_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    sm_scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
     token_idx_ptr,
     token_start_ptr,
     block_tables_ptr,
     shared_lens_ptr,
     part_out_ptr,
     part_lse_ptr,
-    sm_scale_log2,
     num_splits,
-    stride_qt,
-    stride_qh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
     stride_bt,
     stride_pr,
     stride_ph,
@@ -176,14 +174,14 @@ def _shared_prefix_kernel(
     stride_lr,
     stride_lh,
     GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     tile = tl.program_id(0)
     grp = tl.program_id(1)
@@ -206,7 +204,7 @@ def _shared_prefix_kernel(
         BLOCK_D,
     )
     acc, m_i, l_i = attend_paged(
-        q.to(DOT_DTYPE),
+        q,
         None,
         k_cache_ptr,
         v_cache_ptr,
@@ -218,9 +216,7 @@ def _shared_prefix_kernel(
         stride_cb,
         stride_cs,
         stride_ch,
-        BLOCK_M * BLOCK_G,
         HEAD_DIM,
-        BLOCK_D,
         BLOCK_SIZE,
         BLOCK_N,
         DOT_DTYPE,
@@ -235,7 +231,6 @@ def _shared_prefix_kernel(
         l_safe,
         mask_r,
         HEAD_DIM,
-        BLOCK_D,
     )
     tl.store(part_lse_ptr + row64 * stride_lr + heads * stride_lh + split, lse, mask=mask_r)
 
@@ -250,17 +245,14 @@ def _shared_parts(
     block_n: int | None,
 ) -> Parts:
     """Launch the shared kernel; partials of every group row, each split of the shared length."""
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
-    block_g = triton.next_power_of_2(group)
-    block_d = head_block(head_dim)
+    launch = PagedLaunch(query, k_cache, v_cache, scale)
+    block_g = triton.next_power_of_2(launch.group)
     # Tile shape: rows x BLOCK_N keys. Compiled for sm_90 (bf16, head_dim <= 128), 16 to 64 rows
     # x 64 keys fit 8 warps without register spills (190-250 registers) where 4 warps spill;
     # head_dim 256 fits 32 x 32 on 4 warps. The interpreter wants few, large programs.
     if query.device.type == "cpu":
         rows, default_block_n, num_warps = 32, 32, 4
-    elif block_d <= 128:
+    elif head_block(query.shape[2]) <= 128:
         rows, default_block_n, num_warps = 64, 64, 8
     else:
         rows, default_block_n, num_warps = 32, 32, 4
@@ -272,40 +264,26 @@ def _shared_parts(
     num_tiles = triton.cdiv(groups.max_group_tokens, block_m)
     if num_splits is None:
         num_splits = default_num_splits(
-            groups.num_groups * num_tiles, num_kv_heads, groups.max_shared_len, query.device
+            groups.num_groups * num_tiles, launch.num_kv_heads, groups.max_shared_len, query.device
         )
-    parts = Parts(
-        *empty_partials(groups.num_rows, num_heads, num_splits, head_dim, query.device),
-        groups.token_rows,
-    )
-    dot_dtype, precision = dot_operands(k_cache.dtype, query.device)
-    grid = (num_tiles, groups.num_groups, num_kv_heads * num_splits)
+    parts = Parts(*launch.empty_partials(groups.num_rows, num_splits), groups.token_rows)
+    grid = (num_tiles, groups.num_groups, launch.num_kv_heads * num_splits)
     _shared_prefix_kernel[grid](
-        query,
-        k_cache,
-        v_cache,
+        *launch.args(),
         groups.token_idx,
         groups.token_start,
         groups.shared_block_tables,
         groups.shared_lens,
         parts.out,
         parts.lse,
-        scale * LOG2E,
         num_splits,
-        *query.stride()[:2],
-        *k_cache.stride()[:3],
         groups.shared_block_tables.stride(0),
         *parts.out.stride()[:3],
         *parts.lse.stride()[:2],
-        GROUP=group,
+        **launch.constexprs(),
         BLOCK_G=block_g,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=block_n or default_block_n,
-        DOT_DTYPE=dot_dtype,
-        PRECISION=precision,
         num_warps=num_warps,
         num_stages=2,
     )
@@ -358,22 +336,9 @@ def cascade_decode_attention(
 
     Three launches: the decode kernel's splits over each sequence's suffix (``context_starts``),
     the shared kernel over the groups, one merge of both into ``out``. Without groups it is
-    ``decode_attention``. ``num_splits`` / ``shared_splits`` override the split counts of the
-    suffixes / the shared lengths.
+    ``decode_attention`` (the decode kernel's splits, its own merge). ``num_splits`` /
+    ``shared_splits`` override the split counts of the suffixes / the shared lengths.
     """
-    if groups.num_groups == 0:
-        return decode_attention(
-            query,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            scale,
-            out,
-            groups.max_suffix_len,
-            num_splits,
-            block_n,
-        )
     suffix_out, suffix_lse = decode_splits(
         query,
         k_cache,
@@ -386,6 +351,8 @@ def cascade_decode_attention(
         block_n,
         context_starts=groups.context_starts,
     )
+    if groups.num_groups == 0:
+        return merge_splits(suffix_out, suffix_lse, out)
     shared = _shared_parts(query, k_cache, v_cache, groups, scale, shared_splits, block_n)
     merge_parts(Parts(suffix_out, suffix_lse), shared, out, None, lse_base2=True)
     return out

@@ -30,10 +30,8 @@ import triton
 import triton.language as tl
 from prefixserve.kernels.attention_common import (
     LN2,
-    LOG2E,
+    PagedLaunch,
     attend_paged,
-    dot_operands,
-    empty_partials,
     head_block,
     load_rows,
     split_lse,
@@ -51,18 +49,18 @@ def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    context_starts_ptr,
-    part_out_ptr,
-    part_lse_ptr,
     sm_scale_log2,
-    num_splits,
     stride_qt,
     stride_qh,
     stride_cb,
     stride_cs,
     stride_ch,
+    block_tables_ptr,
+    seq_lens_ptr,
+    context_starts_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    num_splits,
     stride_bt,
     stride_pt,
     stride_ph,
@@ -70,13 +68,13 @@ def _decode_split_kernel(
     stride_lt,
     stride_lh,
     GROUP: tl.constexpr,
-    BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     HAS_STARTS: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -93,7 +91,7 @@ def _decode_split_kernel(
     mask_h = offs_h < GROUP
     q = load_rows(q_ptr + seq * stride_qt + heads[:, None] * stride_qh, mask_h, HEAD_DIM, BLOCK_D)
     acc, m_i, l_i = attend_paged(
-        q.to(DOT_DTYPE),
+        q,
         None,
         k_cache_ptr,
         v_cache_ptr,
@@ -105,9 +103,7 @@ def _decode_split_kernel(
         stride_cb,
         stride_cs,
         stride_ch,
-        BLOCK_H,
         HEAD_DIM,
-        BLOCK_D,
         BLOCK_SIZE,
         BLOCK_N,
         DOT_DTYPE,
@@ -121,7 +117,6 @@ def _decode_split_kernel(
         l_safe,
         mask_h,
         HEAD_DIM,
-        BLOCK_D,
     )
     tl.store(part_lse_ptr + seq * stride_lt + heads * stride_lh + split, lse, mask=mask_h)
 
@@ -233,7 +228,65 @@ def decode_attention(
         num_warps,
         context_starts,
     )
-    num_seqs, num_heads, head_dim = query.shape
+    return merge_splits(part_out, part_lse, out, lse)
+
+
+def decode_splits(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    context_starts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1 of ``decode_attention`` alone (arguments as there): returns each split's partial
+    output ``[num_seqs, num_heads, num_splits, head_dim]`` and its lse ``[num_seqs, num_heads,
+    num_splits]``, both float32, lse in base 2 (empty split: zeros and ``-inf``). Cascade
+    attention merges these with the shared-prefix parts in one pass."""
+    launch = PagedLaunch(query, k_cache, v_cache, scale)
+    num_seqs = query.shape[0]
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, launch.num_kv_heads, max_seq_len, query.device)
+    if block_n is None:
+        block_n = 32 if query.device.type == "cpu" else (64 if max_seq_len <= 4096 else 128)
+    if num_warps is None:
+        num_warps = 4
+    part_out, part_lse = launch.empty_partials(num_seqs, num_splits)
+    _decode_split_kernel[(num_seqs, launch.num_kv_heads, num_splits)](
+        *launch.args(),
+        block_tables,
+        seq_lens,
+        seq_lens if context_starts is None else context_starts,
+        part_out,
+        part_lse,
+        num_splits,
+        block_tables.stride(0),
+        *part_out.stride()[:3],
+        *part_lse.stride()[:2],
+        **launch.constexprs(),
+        BLOCK_H=max(16, triton.next_power_of_2(launch.group)),
+        BLOCK_N=block_n,
+        HAS_STARTS=context_starts is not None,
+        num_warps=num_warps,
+        num_stages=2,
+    )
+    return part_out, part_lse
+
+
+def merge_splits(
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Stage 2 of ``decode_attention`` alone: ``out`` (and ``lse`` if given, natural log) from
+    the partials of ``decode_splits``, layouts as there; writes and returns ``out``."""
+    num_seqs, num_heads, head_dim = out.shape
     num_splits = part_out.shape[2]
     store_lse = lse is not None
     _decode_merge_kernel[(num_seqs, num_heads)](
@@ -254,63 +307,3 @@ def decode_attention(
         num_warps=4,
     )
     return out
-
-
-def decode_splits(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    max_seq_len: int,
-    num_splits: int | None = None,
-    block_n: int | None = None,
-    num_warps: int | None = None,
-    context_starts: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stage 1 of ``decode_attention`` alone (arguments as there): returns each split's partial
-    output ``[num_seqs, num_heads, num_splits, head_dim]`` and its lse ``[num_seqs, num_heads,
-    num_splits]``, both float32, lse in base 2 (empty split: zeros and ``-inf``). Cascade
-    attention merges these with the shared-prefix parts in one pass."""
-    num_seqs, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
-    on_cpu = query.device.type == "cpu"
-    if num_splits is None:
-        num_splits = default_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
-    if block_n is None:
-        block_n = 32 if on_cpu else (64 if max_seq_len <= 4096 else 128)
-    if num_warps is None:
-        num_warps = 4
-    part_out, part_lse = empty_partials(num_seqs, num_heads, num_splits, head_dim, query.device)
-    dot_dtype, precision = dot_operands(k_cache.dtype, query.device)
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        seq_lens if context_starts is None else context_starts,
-        part_out,
-        part_lse,
-        scale * LOG2E,
-        num_splits,
-        *query.stride()[:2],
-        *k_cache.stride()[:3],
-        block_tables.stride(0),
-        *part_out.stride()[:3],
-        *part_lse.stride()[:2],
-        GROUP=group,
-        BLOCK_H=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        BLOCK_D=head_block(head_dim),
-        BLOCK_SIZE=block_size,
-        BLOCK_N=block_n,
-        DOT_DTYPE=dot_dtype,
-        PRECISION=precision,
-        HAS_STARTS=context_starts is not None,
-        num_warps=num_warps,
-        num_stages=2,
-    )
-    return part_out, part_lse

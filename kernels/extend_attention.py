@@ -22,11 +22,9 @@ import torch
 import triton
 import triton.language as tl
 from prefixserve.kernels.attention_common import (
-    LOG2E,
+    PagedLaunch,
     attend_paged,
-    dot_operands,
     group_rows,
-    head_block,
     load_rows,
     store_output,
 )
@@ -37,28 +35,28 @@ def _extend_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    sm_scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
     out_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
-    sm_scale_log2,
-    stride_qt,
-    stride_qh,
     stride_ot,
     stride_oh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
     stride_bt,
     GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -79,7 +77,7 @@ def _extend_kernel(
     )
     end = tl.minimum(seq_len, ctx_len + (tile + 1) * BLOCK_M)  # past the tile's last query
     acc, _, l_i = attend_paged(
-        q.to(DOT_DTYPE),
+        q,
         ctx_len + tok,
         k_cache_ptr,
         v_cache_ptr,
@@ -91,9 +89,7 @@ def _extend_kernel(
         stride_cb,
         stride_cs,
         stride_ch,
-        BLOCK_M * BLOCK_G,
         HEAD_DIM,
-        BLOCK_D,
         BLOCK_SIZE,
         BLOCK_N,
         DOT_DTYPE,
@@ -106,7 +102,6 @@ def _extend_kernel(
         l_i,
         mask_r,
         HEAD_DIM,
-        BLOCK_D,
     )
 
 
@@ -129,39 +124,23 @@ def extend_attention(
     prefix plus the new tokens, whose K/V must already be in ``k_cache``/``v_cache``
     (``[num_blocks, block_size, num_kv_heads, head_dim]``). ``max_query_len`` is a host int.
     """
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    num_seqs = seq_lens.shape[0]
-    group = num_heads // num_kv_heads
-    block_g = triton.next_power_of_2(group)
+    launch = PagedLaunch(query, k_cache, v_cache, scale)
+    block_g = triton.next_power_of_2(launch.group)
     on_cpu = query.device.type == "cpu"
-    rows = 32 if on_cpu else 64
-    block_m = max(1, rows // block_g)
-    block_n = 32 if on_cpu else 64
-    dot_dtype, precision = dot_operands(k_cache.dtype, query.device)
-    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_kv_heads)
+    block_m = max(1, (32 if on_cpu else 64) // block_g)
+    grid = (triton.cdiv(max_query_len, block_m), seq_lens.shape[0], launch.num_kv_heads)
     _extend_kernel[grid](
-        query,
-        k_cache,
-        v_cache,
+        *launch.args(),
         out,
         query_start_loc,
         seq_lens,
         block_tables,
-        scale * LOG2E,
-        *query.stride()[:2],
         *out.stride()[:2],
-        *k_cache.stride()[:3],
         block_tables.stride(0),
-        GROUP=group,
+        **launch.constexprs(),
         BLOCK_G=block_g,
-        HEAD_DIM=head_dim,
-        BLOCK_D=head_block(head_dim),
-        BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        DOT_DTYPE=dot_dtype,
-        PRECISION=precision,
+        BLOCK_N=32 if on_cpu else 64,
         num_warps=4,
         num_stages=2,
     )

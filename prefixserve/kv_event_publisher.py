@@ -25,9 +25,11 @@ import logging
 import queue
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterator, Sequence
 from types import TracebackType
+from typing import TypeVar
 
 import zmq
 
@@ -35,6 +37,8 @@ from prefixserve.errors import InvalidArgumentError
 from prefixserve.kv_events import KVEvent, KVEventBatch, decode_batch, encode_batch
 
 logger = logging.getLogger(__name__)
+
+_Self = TypeVar("_Self", bound="_ClosedOnExit")
 
 _END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _IDLE_POLL_S = 0.05  # how long a replay request may wait while no batch is published
@@ -54,7 +58,26 @@ def _open(sock: zmq.Socket, endpoint: str, bind: bool) -> str:
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
-class KVEventPublisher:
+class _ClosedOnExit(ABC):
+    """``with`` hands back the object itself and calls its ``close`` on the way out, raised or not."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the sockets; idempotent."""
+
+    def __enter__(self: _Self) -> _Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class KVEventPublisher(_ClosedOnExit):
     """Publishes each engine step's KV events as one ``KVEventBatch`` on a ZMQ PUB socket.
 
     ``endpoint`` is bound (``tcp://*:5557``, ``tcp://127.0.0.1:*`` for a free port,
@@ -122,17 +145,6 @@ class KVEventPublisher:
         self._thread.join()
         self._ctx.term()
 
-    def __enter__(self) -> KVEventPublisher:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
     def _run(self) -> None:
         stopping = False
         try:
@@ -177,7 +189,7 @@ class KVEventPublisher:
             replay.send_multipart((client, b"", _END_SEQ, b""))
 
 
-class KVEventSubscriber:
+class KVEventSubscriber(_ClosedOnExit):
     """Reads one publisher's batches in sequence order, filling gaps from its replay socket.
 
     With ``start_seq`` the first ``recv`` first replays what is buffered from there (a router
@@ -269,17 +281,6 @@ class KVEventSubscriber:
     def close(self) -> None:
         """Release the sockets. Idempotent."""
         self._ctx.destroy(linger=0)
-
-    def __enter__(self) -> KVEventSubscriber:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def _dealer(self, endpoint: str) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)

@@ -5,11 +5,22 @@ from __future__ import annotations
 import pytest
 
 from prefixserve.errors import InvalidArgumentError
-from prefixserve.kv.block_pool import BlockPool
+from prefixserve.kv.block_pool import BlockPool, KVBlock
 
 
 def counts(pool: BlockPool) -> tuple[int, int, int]:
     return pool.num_free_blocks, pool.num_cached_blocks, pool.num_used_blocks
+
+
+def cached_and_freed(num_blocks: int) -> tuple[BlockPool, list[KVBlock]]:
+    """A pool whose every block is cached (hash ``id + 1``, tokens ``[id]``) and then freed, so
+    the LRU holds them in id order."""
+    pool = BlockPool(num_blocks)
+    blocks = pool.allocate(num_blocks)
+    for b in blocks:
+        pool.cache_block(b, b.block_id + 1, [b.block_id])
+    pool.free(blocks)
+    return pool, blocks
 
 
 def test_ids_are_handed_out_in_order() -> None:
@@ -84,11 +95,7 @@ def test_lru_evicts_in_free_order_and_unregisters() -> None:
 
 
 def test_touch_takes_a_hit_out_of_the_lru() -> None:
-    pool = BlockPool(2)
-    b0, b1 = pool.allocate(2)
-    pool.cache_block(b0, 1, [0])
-    pool.cache_block(b1, 2, [1])
-    pool.free([b0, b1])
+    pool, (b0, b1) = cached_and_freed(2)
     pool.touch([b0])
     assert b0.ref_cnt == 1 and not pool.is_evictable(b0)
     assert pool.lru_block_ids() == [1]
@@ -100,11 +107,7 @@ def test_touch_takes_a_hit_out_of_the_lru() -> None:
 
 
 def test_refree_moves_block_to_mru_end() -> None:
-    pool = BlockPool(2)
-    b0, b1 = pool.allocate(2)
-    pool.cache_block(b0, 1, [0])
-    pool.cache_block(b1, 2, [1])
-    pool.free([b0, b1])
+    pool, (b0, _) = cached_and_freed(2)
     pool.touch([b0])
     pool.free([b0])
     assert pool.lru_block_ids() == [1, 0]

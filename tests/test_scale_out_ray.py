@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import httpx
 import pytest
@@ -27,26 +28,16 @@ from ray import serve  # noqa: E402
 
 from prefixserve.scale_out.deployments import ScaleOutConfig, build_application  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from workloads import WORDS  # noqa: E402
+
 BS = 16
 ENGINE = dict(model=None, num_kv_blocks=256, max_model_len=2048, max_num_seqs=64, block_size=BS)
-WORDS = [
-    "cache",
-    "prefix",
-    "block",
-    "token",
-    "agent",
-    "tool",
-    "query",
-    "answer",
-    "model",
-    "server",
-    "batch",
-    "step",
-]
 
 
 def system_prompt(seed: int, words: int = 90) -> str:
-    """A distinct long system prompt (about 500 tokens of the built-in tokenizer)."""
+    """A distinct long system prompt of the load generator's words (about 500 tokens of the
+    built-in tokenizer)."""
     body = " ".join(WORDS[(seed * 7 + i * (seed + 3)) % len(WORDS)] for i in range(words))
     return f"Conversation {seed}. You are agent number {seed}. {body}"
 

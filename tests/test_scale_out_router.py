@@ -68,35 +68,60 @@ def ranking(decision) -> list[str]:
 # --- choose: the decision rule ----------------------------------------------------------------
 
 
-def test_the_replica_holding_the_prefix_wins_when_loads_are_close() -> None:
-    d = choose([Candidate("a", 0, 0), Candidate("b", 64, 40)], RouterConfig())
-    assert (ranking(d), d.reason) == (["b", "a"], PREFIX)
-
-
-def test_past_the_imbalance_threshold_the_least_loaded_wins() -> None:
-    config = RouterConfig(imbalance_threshold=1000)
-    d = choose([Candidate("a", 512, 1001), Candidate("b", 0, 0)], config)
-    assert (ranking(d), d.reason) == (["b", "a"], LOAD)
-    d = choose([Candidate("a", 512, 1000), Candidate("b", 0, 0)], config)
-    assert (ranking(d), d.reason) == (["a", "b"], PREFIX)
-
-
-def test_a_cold_request_goes_to_the_least_loaded_then_the_emptier_cache() -> None:
-    config = RouterConfig()
-    d = choose([Candidate("a", 0, 50, 10), Candidate("b", 0, 10, 90)], config)
-    assert (ranking(d), d.reason) == (["b", "a"], COLD)
-    d = choose([Candidate("a", 0, 0, 90), Candidate("b", 0, 0, 10)], config)
-    assert (ranking(d), d.reason) == (["b", "a"], COLD)
-
-
-def test_the_score_trades_hit_tokens_against_weighted_load() -> None:
-    config = RouterConfig(load_weight=0.5)
-    # a: 100 - 0.5 * 300 = -50; b: 40 - 0.5 * 0 = 40 -> b, although a holds more
-    d = choose([Candidate("a", 100, 300), Candidate("b", 40, 0)], config)
-    assert (ranking(d), d.reason) == (["b", "a"], PREFIX)
-    # a holds everything but is busier than the hit is worth: the idle one wins, for load
-    d = choose([Candidate("a", 100, 300), Candidate("b", 0, 0)], config)
-    assert (ranking(d), d.reason) == (["b", "a"], LOAD)
+@pytest.mark.parametrize(
+    ("config", "candidates", "expected"),
+    [
+        pytest.param(
+            RouterConfig(),
+            [Candidate("a", 0, 0), Candidate("b", 64, 40)],
+            (["b", "a"], PREFIX),
+            id="the_replica_holding_the_prefix_wins_when_loads_are_close",
+        ),
+        pytest.param(
+            RouterConfig(imbalance_threshold=1000),
+            [Candidate("a", 512, 1001), Candidate("b", 0, 0)],
+            (["b", "a"], LOAD),
+            id="past_the_imbalance_threshold_the_least_loaded_wins",
+        ),
+        pytest.param(
+            RouterConfig(imbalance_threshold=1000),
+            [Candidate("a", 512, 1000), Candidate("b", 0, 0)],
+            (["a", "b"], PREFIX),
+            id="at_the_imbalance_threshold_the_prefix_still_wins",
+        ),
+        pytest.param(
+            RouterConfig(),
+            [Candidate("a", 0, 50, 10), Candidate("b", 0, 10, 90)],
+            (["b", "a"], COLD),
+            id="a_cold_request_goes_to_the_least_loaded",
+        ),
+        pytest.param(
+            RouterConfig(),
+            [Candidate("a", 0, 0, 90), Candidate("b", 0, 0, 10)],
+            (["b", "a"], COLD),
+            id="a_cold_request_between_equal_loads_goes_to_the_emptier_cache",
+        ),
+        # a: 100 - 0.5 * 300 = -50; b: 40 - 0.5 * 0 = 40 -> b, although a holds more
+        pytest.param(
+            RouterConfig(load_weight=0.5),
+            [Candidate("a", 100, 300), Candidate("b", 40, 0)],
+            (["b", "a"], PREFIX),
+            id="the_score_trades_hit_tokens_against_weighted_load",
+        ),
+        # a holds everything but is busier than the hit is worth: the idle one wins, for load
+        pytest.param(
+            RouterConfig(load_weight=0.5),
+            [Candidate("a", 100, 300), Candidate("b", 0, 0)],
+            (["b", "a"], LOAD),
+            id="a_hit_worth_less_than_its_load_loses_to_the_idle_replica",
+        ),
+    ],
+)
+def test_choose_ranks_and_gives_the_reason(
+    config: RouterConfig, candidates: list[Candidate], expected: tuple[list[str], str]
+) -> None:
+    d = choose(candidates, config)
+    assert (ranking(d), d.reason) == expected
 
 
 def test_router_config_is_validated() -> None:

@@ -182,28 +182,12 @@ class TritonAttentionBackend(AttentionBackend):
         groups = self.plan(md, kv_cache).cascade
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         nd = md.num_decodes
-        if nd > 0 and groups is not None:
-            cascade_decode_attention(
-                query[:nd],
-                k_cache,
-                v_cache,
-                md.block_tables[:nd],
-                md.seq_lens[:nd],
-                groups,
-                scale,
-                out[:nd],
-            )
-        elif nd > 0:
-            decode_attention(
-                query[:nd],
-                k_cache,
-                v_cache,
-                md.block_tables[:nd],
-                md.seq_lens[:nd],
-                scale,
-                out[:nd],
-                max_seq_len=md.max_seq_len,
-            )
+        if nd > 0:
+            decodes = (query[:nd], k_cache, v_cache, md.block_tables[:nd], md.seq_lens[:nd])
+            if groups is None:
+                decode_attention(*decodes, scale, out[:nd], max_seq_len=md.max_seq_len)
+            else:
+                cascade_decode_attention(*decodes, groups, scale, out[:nd])
         if md.num_seqs > nd:
             extend_attention(
                 query,

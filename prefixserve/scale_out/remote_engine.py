@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -55,14 +54,6 @@ class ReplicaFailedError(APIError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, 503, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-
-
-def _settle(future: asyncio.Future, exc: BaseException | None) -> None:
-    if not future.done():
-        if exc is None:
-            future.set_result(None)
-        else:
-            future.set_exception(exc)
 
 
 class RemoteEngine:
@@ -122,10 +113,7 @@ class RemoteEngine:
         params: SamplingParams | BeamSearchParams,
         timeout: float | None = None,
     ) -> RequestStream:
-        loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, loop.create_future())
-        if timeout is not None:
-            stream.deadline, stream.timeout = time.monotonic() + timeout, timeout
+        stream = RequestStream.create(request_id, timeout)
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         pump = asyncio.create_task(self._pump(EngineRequest(request_id, token_ids, params), stream))
         self._live[request_id] = (pump, stream)
@@ -180,7 +168,7 @@ class RemoteEngine:
                         self._fail(stream, item)
                         return
                     if item == ACCEPTED:
-                        _settle(stream.accepted, None)
+                        stream.settle_accepted(None)
                         continue
                     delivered = True
                     stream.queue.put_nowait(self._restore(item, request))
@@ -220,7 +208,7 @@ class RemoteEngine:
         if stream.accepted.done():
             stream.queue.put_nowait(error)
         else:
-            _settle(stream.accepted, error)
+            stream.settle_accepted(error)
 
 
 def _short(exc: BaseException) -> str:
