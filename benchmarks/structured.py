@@ -152,17 +152,17 @@ def overhead(folder: Path, batches: list[int], steps: int, rounds: int) -> list[
         jumping = make_engine(folder, max_num_seqs=batch)
         info = plain.structured_outputs.tokenizer_info
         decode_window(plain, batch, 4, None)  # warm-up
-        runs: dict[str, list[tuple[float, float]]] = {}
+        runs: dict[str, list[tuple[float, float]]] = {}  # (ms per step, tokens per step)
         for _ in range(rounds):
             for name, engine, spec in (("free", plain, None), ("constrained", plain, so),
                                        ("constrained_jump", jumping, so)):  # fmt: skip
                 runs.setdefault(name, []).append(decode_window(engine, batch, steps, spec))
             for name, constrained in (("hf_free", False), ("hf_constrained", True)):
                 runs.setdefault(name, []).append(
-                    (hf_ms_per_token(hf, info, batch, steps, constrained), 1.0)
+                    (hf_ms_per_token(hf, info, batch, steps, constrained), float(batch))
                 )
         ms = {name: statistics.median(r[0] for r in rs) for name, rs in runs.items()}
-        tok_s = {name: statistics.median(1e3 * batch * r[1] / r[0] for r in rs)
+        tok_s = {name: statistics.median(1e3 * r[1] / r[0] for r in rs)
                  for name, rs in runs.items()}  # fmt: skip
         rows.append({
             "batch": batch,
