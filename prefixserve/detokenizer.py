@@ -56,7 +56,6 @@ class IncrementalDetokenizer:
         self.read_offset = len(self._token_ids)
         self._held = ""  # decoded, not released: a possible start of a stop string
         self._released: list[str] = []
-        self._unread: list[str] = []
         self._finished = False
 
     def fork(self) -> IncrementalDetokenizer:
@@ -64,21 +63,14 @@ class IncrementalDetokenizer:
         child = copy.copy(self)
         child._token_ids = list(self._token_ids)
         child._released = list(self._released)
-        child._unread = list(self._unread)
         return child
 
     @property
     def output_text(self) -> str:
-        """Text released so far."""
+        """Text released so far. It only grows: streaming sends what it gained since last read."""
         if len(self._released) > 1:
             self._released = ["".join(self._released)]
         return self._released[0] if self._released else ""
-
-    def get_delta(self) -> str:
-        """Text released since the previous call (for streaming)."""
-        delta = "".join(self._unread)
-        self._unread.clear()
-        return delta
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Append generated tokens; return the stop string that now matched, else None.
@@ -162,4 +154,3 @@ class IncrementalDetokenizer:
     def _release(self, text: str) -> None:
         if text:
             self._released.append(text)
-            self._unread.append(text)

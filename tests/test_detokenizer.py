@@ -59,15 +59,22 @@ def encode(text: str, tokenizer: PreTrainedTokenizerFast = TOK) -> list[int]:
 def stream(
     detok: IncrementalDetokenizer, ids: list[int], chunk: int = 1
 ) -> tuple[list[str], str | None]:
-    """Feed ``ids`` ``chunk`` at a time; return the deltas seen and the matched stop string."""
-    deltas = []
+    """Feed ``ids`` ``chunk`` at a time; return the deltas seen (what ``output_text`` gained, as
+    the server streams it) and the matched stop string."""
+    deltas: list[str] = []
+
+    def read() -> None:
+        sent = "".join(deltas)
+        assert detok.output_text.startswith(sent)  # released text is never taken back
+        deltas.append(detok.output_text[len(sent) :])
+
     for i in range(0, len(ids), chunk):
         stop = detok.update(ids[i : i + chunk])
-        deltas.append(detok.get_delta())
+        read()
         if stop is not None:
             return deltas, stop
     detok.flush()
-    deltas.append(detok.get_delta())
+    read()
     return deltas, None
 
 
@@ -119,15 +126,11 @@ def test_prompt_text_is_not_in_output() -> None:
 def test_multibyte_char_split_across_tokens_never_emits_replacement_char() -> None:
     text = "héllo € 😀 世界!"
     detok = IncrementalDetokenizer(TOK, encode("prompt ✓"), [])
-    streamed = ""
     for token_id in encode(text):
         assert detok.update([token_id]) is None
-        delta = detok.get_delta()
-        assert "\ufffd" not in delta and "\ufffd" not in detok.output_text
-        streamed += delta
-        assert text.startswith(streamed)
+        assert "\ufffd" not in detok.output_text and text.startswith(detok.output_text)
     detok.flush()
-    assert streamed + detok.get_delta() == detok.output_text == text
+    assert detok.output_text == text
 
 
 def test_flush_releases_incomplete_char_and_held_back_text() -> None:
@@ -138,7 +141,6 @@ def test_flush_releases_incomplete_char_and_held_back_text() -> None:
     assert detok.output_text == "ok "  # "STO" may start "STOP"; the € is unfinished
     assert detok.flush() is None
     assert detok.output_text == "ok STO\ufffd" == TOK.decode(ids)
-    assert detok.get_delta() == "ok STO\ufffd"
 
 
 def test_stop_string_across_tokens_never_leaks() -> None:
@@ -208,18 +210,14 @@ def test_stop_strings_property(text: str, stops: list[str], chunk: int, include:
     expected, expected_stop = reference_stop(text, stops, include)
     detok = IncrementalDetokenizer(TOK, [], stops, include_stop_str_in_output=include)
     ids = encode(text)
-    streamed = ""
     stop = None
     for i in range(0, len(ids), chunk):
         stop = detok.update(ids[i : i + chunk])
-        streamed += detok.get_delta()
-        # Every streamed prefix is final text: no partial stop string, no replacement char.
-        assert expected.startswith(streamed)
-        assert streamed == detok.output_text
+        # Every released prefix is final text: no partial stop string, no replacement char.
+        assert expected.startswith(detok.output_text)
         if stop is not None:
             break
     if stop is None:
         assert detok.flush() is None
-        streamed += detok.get_delta()
     assert stop == expected_stop == detok.stop_reason
-    assert streamed == detok.output_text == expected
+    assert detok.output_text == expected
