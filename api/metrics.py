@@ -109,8 +109,9 @@ class _EngineCollector(Collector):
         yield compile_seconds
         for name, doc, key in (
             ("prefixserve_grammar_compiles", "Grammars compiled.", "num_compiles"),
-            ("prefixserve_grammar_cache_hits", "Grammar requests served by the compile cache.",
-             "num_cache_hits"),
+            ("prefixserve_grammar_cache_hits",
+             "Grammar lookups served by the compile cache (the server's validation and the "
+             "engine each look up once per request).", "num_cache_hits"),
         ):  # fmt: skip
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([label], so[key])
