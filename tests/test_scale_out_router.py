@@ -185,6 +185,21 @@ def test_load_follows_reserved_routed_and_completed_requests() -> None:
     assert state.snapshot()["a"]["predicted_hit_tokens"] == 96
 
 
+def test_a_request_that_scores_its_prompt_hits_nowhere_but_its_blocks_are_predicted() -> None:
+    state = PrefixRouterState()
+    hashes = request_block_hashes(list(range(1, 50)), 4)
+    state.mirror("a").apply([stored(hashes)])
+    decision = state.route("r1", ["a", "b"], hashes, 4, 49, uses_prefix_cache=False)
+    assert decision.reason == COLD and all(c.hit_tokens == 0 for c in decision.ranking)
+    first = ranking(decision)[0]
+    assert state.snapshot()[first]["load_tokens"] == 49  # its whole prompt is work
+    assert state.mirror(first).hit_blocks(hashes) == len(hashes)
+    scored = EngineRequest("x", [1, 2], SamplingParams(prompt_logprobs=1))
+    assert (
+        not scored.uses_prefix_cache and EngineRequest("y", [1], SamplingParams()).uses_prefix_cache
+    )
+
+
 def test_a_request_that_lands_on_its_second_choice_moves_and_counts_as_load() -> None:
     state = PrefixRouterState()
     hashes = request_block_hashes(list(range(1, 50)), 4)

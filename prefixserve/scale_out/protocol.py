@@ -49,6 +49,12 @@ class EngineRequest:
         return ids[-keep:] if keep is not None and len(ids) > keep else ids
 
     @property
+    def uses_prefix_cache(self) -> bool:
+        """False for a request that scores its prompt (``prompt_logprobs``): the engine computes
+        every prompt position, so no replica's cache saves it anything."""
+        return getattr(self.params, "prompt_logprobs", None) is None
+
+    @property
     def cache_salt(self) -> str | None:
         return self.params.cache_salt
 

@@ -159,6 +159,7 @@ class PrefixAwareRequestRouter(ReportingRouter, RequestRouter):
             self.block_size,
             len(prompt),
             request.num_output_tokens,
+            request.uses_prefix_cache,
         )
         return [[by_key[c.replica]] for c in decision.ranking]
 

@@ -34,7 +34,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from prefixserve.errors import require
 from prefixserve.kv.hashing import extend_block_hashes
@@ -282,12 +282,19 @@ class PrefixRouterState:
         block_size: int,
         num_prompt_tokens: int,
         num_output_tokens: int = 0,
+        uses_prefix_cache: bool = True,
     ) -> Decision:
         """Rank ``replicas`` (at least one) and reserve the first for the request. Deciding
-        again for the same request (its first choice was full) replaces its reservation."""
+        again for the same request (its first choice was full) replaces its reservation.
+        A request that does not read the prefix cache (``uses_prefix_cache`` False: it scores
+        its prompt) hits nowhere, but its blocks are still predicted where it goes (the engine
+        caches them once computed)."""
         self.on_completed(request_id)
         self._release_stale()
-        decision = choose(self.candidates(replicas, hashes, block_size), self.config)
+        candidates = self.candidates(replicas, hashes, block_size)
+        if not uses_prefix_cache:
+            candidates = [replace(c, hit_tokens=0) for c in candidates]
+        decision = choose(candidates, self.config)
         first = decision.ranking[0]
         entry = _InFlight(decision, hashes, num_prompt_tokens, num_output_tokens, first.replica,
                           0, self._clock())  # fmt: skip
