@@ -3,8 +3,8 @@
 
 openai SDK ``chat.completions.parse`` (json_schema), instructor (JSON_SCHEMA and TOOLS modes), the
 OpenAI Agents SDK (``OpenAIChatCompletionsModel`` with an ``output_type``), LangChain's
-``with_structured_output`` (json_schema and function_calling) and pydantic-ai's default structured
-output (a forced tool call). Without the server's constraint none of them could parse a reply.
+``with_structured_output`` (json_schema and function_calling), pydantic-ai's default structured
+output (a forced tool call) and LiteLLM (json_schema, and forced tool calls streamed). Without the server's constraint none of them could parse a reply.
 """
 
 from __future__ import annotations
@@ -86,3 +86,26 @@ def test_pydantic_ai_default_structured_output(server):
     agent = Agent(model, output_type=Person, retries=0)
     result = agent.run_sync(PROMPT)
     assert isinstance(result.output, Person)
+
+
+def test_litellm_json_schema_and_forced_tool_call(server, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # offline: no cost-map download
+    import litellm
+
+    common = dict(model=f"openai/{MODEL}", api_base=server, api_key="unused", max_tokens=60)
+    reply = litellm.completion(
+        messages=[{"role": "user", "content": PROMPT}], **common,
+        response_format={"type": "json_schema", "json_schema": {
+            "name": "person", "schema": Person.model_json_schema()}},
+    )  # fmt: skip
+    Person.model_validate_json(reply.choices[0].message.content)
+    tools = [{"type": "function", "function": {
+        "name": "record_person", "parameters": Person.model_json_schema()}}]  # fmt: skip
+    for tool_choice in ("required", {"type": "function", "function": {"name": "record_person"}}):
+        chunks = list(litellm.completion(
+            messages=[{"role": "user", "content": PROMPT}], tools=tools, tool_choice=tool_choice,
+            stream=True, **common,
+        ))  # fmt: skip
+        call = litellm.stream_chunk_builder(chunks).choices[0].message.tool_calls[0]
+        assert call.function.name == "record_person"
+        Person.model_validate_json(call.function.arguments)
