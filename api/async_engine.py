@@ -14,6 +14,9 @@ their stream's queue); every stream receives exactly one terminal item (a finish
 error, or the engine's death). If the loop raises, ``dead`` holds the error, every live stream is
 failed, and ``on_death`` is called so the server can stop and exit non-zero.
 
+A step that raises (``StepFailedError``) fails the requests it scheduled, each with a 500; the
+engine rolled it back, so nothing it registered stays cached, and the loop keeps serving.
+
 Admission and failures: ``admit(count)`` refuses (``EngineOverloadedError``) once the adds not yet
 applied plus the engine's waiting queue would pass ``max_waiting``; once added, a request is never
 dropped. A finished output carrying ``error`` (the engine failed that one request) ends its stream
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 from prefixserve.api.protocol import APIError
 
 from prefixserve.engine import EngineStats, LLMEngine
+from prefixserve.errors import StepFailedError
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import BeamSearchParams, SamplingParams
 from prefixserve.structured_outputs.params import StructuredOutputsParams
@@ -263,12 +267,23 @@ class AsyncEngine:
                     self._abort_streams(fail_all)
                 self._count_waiting()
                 finals = [o for o in map(self.engine.abort_request, aborts) if o is not None]
-                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                outputs = self._step() if self.engine.has_unfinished_requests() else []
                 self._publish(finals + outputs)
                 self._count_waiting()
         except BaseException as exc:
             logger.exception("engine loop died")
             self._die(exc)
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step. A step that failed was rolled back by the engine; its requests are
+        failed here (their streams end with a 500) rather than retried, so that a request that
+        breaks the forward cannot break it again, and the loop goes on serving the others."""
+        try:
+            return self.engine.step()
+        except StepFailedError as exc:
+            logger.exception("engine step failed; failing its %d requests", len(exc.request_ids))
+            failed = (self.engine.abort_request(rid, str(exc)) for rid in exc.request_ids)
+            return exc.outputs + [o for o in failed if o is not None]
 
     def _add(self, stream: RequestStream, prompt, params) -> None:
         try:

@@ -12,7 +12,10 @@ One ``step()`` is a straight line; every stage hands the next one a value::
     OutputProcessor.make_output()    -> one RequestOutput per touched request
 
 Validation happens in ``add_request``: a request the engine accepts can fail later only alone
-(``RequestOutput.error``), never the loop.
+(``RequestOutput.error``), never the loop. A step whose forward (or sampling) raises is rolled
+back (``Scheduler.abandon_step``): no block it registered stays in the prefix cache and its
+requests are queued again; ``StepFailedError`` (or a ``KeyboardInterrupt`` as it was) tells the
+caller, which retries them with the next ``step()`` or aborts them.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 
 from prefixserve.config import EngineConfig
 from prefixserve.detokenizer import IncrementalDetokenizer
-from prefixserve.errors import InvalidArgumentError, PromptTooLongError
+from prefixserve.errors import InvalidArgumentError, PromptTooLongError, StepFailedError
 from prefixserve.kv.kv_cache_manager import KVCacheManager
 from prefixserve.model_runner import ModelRunner
 from prefixserve.models.loader import load_tokenizer
@@ -297,9 +300,10 @@ class LLMEngine:
         manager = self.structured_outputs
         return StructuredOutputRequest(so, manager.submit(so), manager.new_grammar)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its blocks; returns its final output, None if unknown."""
-        request = self.scheduler.abort_request(request_id)
+    def abort_request(self, request_id: str, error: str | None = None) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output (failed with
+        ``error`` if given), None if unknown."""
+        request = self.scheduler.abort_request(request_id, error)
         return self.output_processor.make_output(request) if request is not None else None
 
     def has_unfinished_requests(self) -> bool:
@@ -314,11 +318,22 @@ class LLMEngine:
         if scheduler_output.is_empty:
             return []
         t1 = time.perf_counter()
-        runner_output = self.runner.execute(scheduler_output)
-        t2 = time.perf_counter()
-        sampled = self.sampling_step.sample(
-            runner_output.samplers, runner_output.logits, runner_output.prompt_logits
-        )
+        try:
+            runner_output = self.runner.execute(scheduler_output)
+            t2 = time.perf_counter()
+            sampled = self.sampling_step.sample(
+                runner_output.samplers, runner_output.logits, runner_output.prompt_logits
+            )
+        except Exception as exc:
+            self.scheduler.abandon_step(scheduler_output)
+            raise StepFailedError(
+                f"the engine step failed: {exc!r}",
+                list(dict.fromkeys(s.request.request_id for s in scheduler_output.scheduled)),
+                [self.output_processor.make_output(r) for r in scheduler_output.finished],
+            ) from exc
+        except BaseException:  # KeyboardInterrupt: roll back, let it through as it is
+            self.scheduler.abandon_step(scheduler_output)
+            raise
         touched = self.scheduler.update_from_output(scheduler_output, sampled)
         t3 = time.perf_counter()
         outputs = [self.output_processor.make_output(request) for request in touched]

@@ -38,6 +38,19 @@ class BackendUnavailableError(PrefixServeError):
     """The requested attention backend cannot run on this machine."""
 
 
+class StepFailedError(RuntimeError):
+    """An engine step raised (the model's forward or sampling). The engine rolled the step back:
+    no block it registered stays in the prefix cache, and ``request_ids`` (the requests it had
+    scheduled) are queued again, to be retried or aborted by the caller. ``outputs`` are the
+    final outputs of requests the step finished before running (they are no longer queued).
+    The original exception is the ``__cause__``."""
+
+    def __init__(self, message: str, request_ids: list[str], outputs: list) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+        self.outputs = outputs
+
+
 def require(cond: bool, param: str, message: str) -> None:
     """Raise ``InvalidArgumentError("param: message")`` unless ``cond``."""
     if not cond:

@@ -94,6 +94,7 @@ class Scheduler:
         self.computed_prompt_tokens = 0
         self.generation_tokens = 0
         self._seq_ids = itertools.count()
+        self._first_admitted: list[Request] = []  # this step's first admissions (num_cached_tokens)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -123,10 +124,12 @@ class Scheduler:
         self.waiting.append(request)
         self.prompt_tokens += len(request.prompt_token_ids)
 
-    def abort_request(self, request_id: str) -> Request | None:
-        """Finish a request now (its live sequences with "abort"); None if unknown."""
+    def abort_request(self, request_id: str, error: str | None = None) -> Request | None:
+        """Finish a request now (its live sequences with "abort"), failed with ``error`` if
+        given; None if unknown."""
         request = self.requests.get(request_id)
         if request is not None:
+            request.error = error
             self._finish_request(request, "abort")
         return request
 
@@ -143,6 +146,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._first_admitted.clear()
         budget = self.config.max_num_batched_tokens
         preempted = False
         i = 0
@@ -274,8 +278,9 @@ class Scheduler:
             budget -= n
         for sched in admitted:  # only now: a rolled-back admission must register nothing
             self._cache_blocks(sched.seq, sched.seq.num_computed_tokens + sched.num_new_tokens)
-        if request.num_cached_tokens is None:
-            request.num_cached_tokens = hits[0]
+        if request.num_cached_tokens is None:  # prompt tokens only: not jump-forward text
+            request.num_cached_tokens = min(hits[0], len(request.prompt_token_ids))
+            self._first_admitted.append(request)
         return [s for s in admitted if s.num_new_tokens > 0]
 
     def _roll_back(self, admitted: list[ScheduledSeq]) -> None:
@@ -304,19 +309,38 @@ class Scheduler:
         self.waiting.extendleft(reversed(window))
 
     def _preempt(self, request: Request) -> None:
+        self._requeue(request)
+        self.num_preemptions += 1
+        logger.debug("preempted request %s", request.request_id)
+
+    def _requeue(self, request: Request) -> None:
+        """Free every block of the request and put it at the front of the waiting queue."""
         for seq in request.seqs:
             self.kv.free(seq.seq_id)
             seq.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
-        self.num_preemptions += 1
         self.waiting.appendleft(request)
-        logger.debug("preempted request %s", request.request_id)
+
+    def abandon_step(self, out: SchedulerOutput) -> None:
+        """The step's forward raised, so none of its K/V was written. Unregister every block it
+        registered in the prefix cache, and put each request it scheduled back at the front of
+        the waiting queue in running order (recomputed, mostly from the cache, when next
+        admitted). Requests the step finished before running (``out.finished``) stay finished."""
+        self.kv.discard_step()
+        scheduled = {id(s.request) for s in out.scheduled}
+        for request in reversed([r for r in self.running if id(r) in scheduled]):
+            self.running.remove(request)
+            self._requeue(request)
+        for request in self._first_admitted:  # its first admission did not happen
+            request.num_cached_tokens = None
+        self._first_admitted.clear()
 
     def _cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Register the sequence's blocks that are full once this step's tokens are written.
 
         Done at scheduling time, so a request admitted later in the same step already hits them:
         within one forward every layer stores the whole batch's K/V before any query reads it.
+        The registrations stand once ``update_from_output`` runs; ``abandon_step`` undoes them.
         """
         if self.enable_caching:
             self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.block_hashes, num_tokens)
@@ -326,6 +350,7 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, result: SamplingResult) -> list[Request]:
         """Apply one step; returns the requests it touched (for their outputs), finished ones
         included. A request whose processing raises is failed alone (``request.error``)."""
+        self.kv.commit_step()  # the forward wrote this step's K/V: its registrations stand
         for sched in out.scheduled:
             seq = sched.seq
             start = seq.num_computed_tokens

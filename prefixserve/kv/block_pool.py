@@ -159,6 +159,19 @@ class BlockPool:
         self.cow_copies += 1
         return fresh
 
+    def uncache_block(self, block: KVBlock) -> None:
+        """Unregister a block whose K/V was never written (its step failed); a cached one (ref_cnt
+        0) becomes free. Not an eviction: the hash was never valid."""
+        assert block.block_hash is not None and self._hash_to_block[block.block_hash] is block
+        if self.kv_events is not None:
+            self.kv_events.on_block_removed(block.block_hash)
+        del self._hash_to_block[block.block_hash]
+        block.block_hash = None
+        block.token_ids = None
+        if block.ref_cnt == 0:
+            del self._lru[block.block_id]
+            self._free_ids.append(block.block_id)
+
     def get_cached_block(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVBlock | None:
         """The block registered under ``block_hash`` if it holds exactly ``token_ids``."""
         block = self._hash_to_block.get(block_hash)

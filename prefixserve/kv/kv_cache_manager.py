@@ -16,6 +16,10 @@ and before the next step writes 3 more::
 
 Blocks full once a step's tokens are written are registered (``cache_full_blocks``) so
 that another request with the same prefix, or the next turn of this conversation, hits them.
+They are registered when the step is scheduled (a request admitted later in that step hits them:
+the forward writes every layer's K/V before any query reads it), and journaled until the step
+ends: ``commit_step`` keeps them, ``discard_step`` (the forward raised, so their K/V was never
+written) unregisters every one, so no later request reads a block that holds nothing.
 """
 
 from __future__ import annotations
@@ -80,6 +84,9 @@ class KVCacheManager:
         self.watermark_blocks = int(watermark * num_blocks)
         self.pool = BlockPool(num_blocks, enable_prefix_caching, kv_events)
         self._seqs: dict[SeqId, _SeqState] = {}
+        # this step's registrations: the blocks, and each sequence's num_registered before it
+        self._step_blocks: list[tuple[KVBlock, BlockHash]] = []
+        self._step_states: dict[int, tuple[_SeqState, int]] = {}
         self._query_tokens = 0
         self._hit_tokens = 0
 
@@ -187,13 +194,32 @@ class KVCacheManager:
             f"{seq_id!r}: {num_full} full blocks computed but only {len(block_hashes)} hashes "
             f"and {len(token_ids)} tokens given"
         )
+        if num_full <= state.num_registered:
+            return
+        self._step_states.setdefault(id(state), (state, state.num_registered))
         cache_block = self.pool.cache_block
         for i in range(state.num_registered, num_full):
             block = state.blocks[i]
             if block.block_hash is None:
                 parent = block_hashes[i - 1] if i > 0 else None
-                cache_block(block, block_hashes[i], token_ids[i * bs : (i + 1) * bs], parent)
-        state.num_registered = max(state.num_registered, num_full)
+                if cache_block(block, block_hashes[i], token_ids[i * bs : (i + 1) * bs], parent):
+                    self._step_blocks.append((block, block_hashes[i]))
+        state.num_registered = num_full
+
+    def commit_step(self) -> None:
+        """The step's forward wrote its K/V: its registrations stand."""
+        self._step_blocks.clear()
+        self._step_states.clear()
+
+    def discard_step(self) -> None:
+        """The step's forward failed: unregister every block it registered (newest first) and
+        restore each sequence's registration mark, as if the step had never been scheduled."""
+        for block, block_hash in reversed(self._step_blocks):
+            if block.block_hash == block_hash:  # not evicted (and reused) since
+                self.pool.uncache_block(block)
+        for state, num_registered in self._step_states.values():
+            state.num_registered = num_registered
+        self.commit_step()
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
         """The child shares every block of the parent (ref_cnt + 1 each)."""
