@@ -230,6 +230,42 @@ def test_one_failing_request_fails_alone():
     asyncio.run(main())
 
 
+def fail_first_forward(llm_engine: LLMEngine) -> None:
+    execute, calls = llm_engine.runner.execute, []
+
+    def failing(scheduler_output):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("device fault")
+        return execute(scheduler_output)
+
+    llm_engine.runner.execute = failing
+
+
+def test_failed_forward_fails_its_requests_and_poisons_no_cache():
+    """The first forward raises: its request gets a 500, the server keeps serving, and the same
+    prompt again is exact (nothing from the failed step is cached)."""
+    prompt = list(range(3, 103))
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    async def main() -> None:
+        async with inprocess(engine_hook=fail_first_forward) as (c, engine):
+            failed = await c.post("/v1/completions", json=body)
+            assert failed.status_code == 500 and "device fault" in failed.text
+            first, second = [await c.post("/v1/completions", json=body) for _ in range(2)]
+            assert first.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+            texts.extend(r.json()["choices"][0]["text"] for r in (first, second))
+            await wait_idle(engine)
+            assert engine.dead is None
+
+    texts: list[str] = []
+    asyncio.run(main())
+    fresh = LLM(num_kv_blocks=128, max_model_len=256)
+    ref = fresh.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert texts == [ref[0].outputs[0].text] * 2
+
+
 # ---- real server processes: death, disconnects, drain ---------------------------------------------
 
 
