@@ -1,4 +1,4 @@
-"""Continuous batching, and the one owner of every request and sequence once queued.
+"""Continuous batching: the policy that decides which requests run, and how many tokens each.
 
 ``schedule()`` hands out a token budget (``max_num_batched_tokens``): running requests first, in
 priority order, one token per decoding sequence or a chunk of a prompt still being prefilled; then
@@ -11,10 +11,11 @@ cached) and it goes back to the front of the waiting queue, to be recomputed lat
 prefix cache. No request is admitted in a step that preempted. A request is admitted or preempted
 as a whole group (``n`` samples, beams).
 
-``update_from_output()`` applies a step's ``SamplingResult``: it advances ``num_computed_tokens``,
-forks (n > 1 first samples and beams, through one ``_fork``), appends tokens and hashes the blocks
-they fill, checks stops, and frees and finishes sequences and requests. Nothing else changes a
-``Request`` or ``Sequence`` after ``add_request``.
+The scheduler owns the queues (``waiting``, ``running``, ``requests``) and admission state
+(``num_computed_tokens`` at admission and preemption, ``status``). Every other change to a request
+or sequence is ``RequestLifecycle``'s: ``update_from_output()`` hands it the step's result, then
+retires the requests whose sequences all finished. A step that failed is undone by
+``abandon_step()``.
 
 The scheduler sees the KV cache only through ``KVCacheManager`` and passes block ids on to the
 model runner without looking inside them.
@@ -22,19 +23,17 @@ model runner without looking inside them.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import time
 from collections import deque
 from dataclasses import dataclass
 
-from prefixserve.beam_search import BeamStep
 from prefixserve.config import EngineConfig
 from prefixserve.errors import CacheCapacityError, InvalidArgumentError
-from prefixserve.kv.hashing import extend_block_hashes
 from prefixserve.kv.kv_cache_manager import KVCacheManager, PrefixHit
-from prefixserve.sampling_step import SampledToken, SamplingResult, describe_error
+from prefixserve.request_lifecycle import RequestLifecycle
+from prefixserve.sampling_step import SamplingResult
 from prefixserve.scheduler_output import ScheduledSeq, SchedulerOutput
 from prefixserve.sequence import Request, RequestStatus, Sequence
 from prefixserve.stop_checker import StopChecker
@@ -83,7 +82,7 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.kv = kv_cache_manager
-        self.stop_checker = stop_checker
+        self.lifecycle = RequestLifecycle(config, kv_cache_manager, stop_checker)
         self.block_size = kv_cache_manager.block_size
         self.enable_caching = config.enable_prefix_caching
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
@@ -91,9 +90,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.prompt_tokens = 0
-        self.computed_prompt_tokens = 0
-        self.generation_tokens = 0
-        self._seq_ids = itertools.count()
         self._first_admitted: list[Request] = []  # this step's first admissions (num_cached_tokens)
 
     # ---- requests ----------------------------------------------------------------------------
@@ -117,9 +113,7 @@ class Scheduler:
             raise InvalidArgumentError(
                 f"request_id {request.request_id!r} is already in use", "request_id"
             )
-        for seq in request.seqs:
-            seq.seq_id = next(self._seq_ids)
-            self._hash_new_blocks(request, seq)
+        self.lifecycle.register(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
         self.prompt_tokens += len(request.prompt_token_ids)
@@ -241,9 +235,7 @@ class Scheduler:
         if not so.is_ready:
             return False
         try:
-            seq.grammar = so.new_grammar()
-            if self.config.enable_jump_forward and not request.is_beam_search:
-                self._jump_forward(request, seq)
+            self.lifecycle.start_grammar(request)
         except Exception as exc:
             request.error = str(exc)
         if request.error is not None or seq.is_finished:
@@ -348,140 +340,21 @@ class Scheduler:
     # ---- after the forward --------------------------------------------------------------------
 
     def update_from_output(self, out: SchedulerOutput, result: SamplingResult) -> list[Request]:
-        """Apply one step; returns the requests it touched (for their outputs), finished ones
-        included. A request whose processing raises is failed alone (``request.error``)."""
+        """Apply one successful step (``RequestLifecycle.apply``); retire the requests whose
+        sequences all finished. Returns the requests it touched, finished ones included."""
         self.kv.commit_step()  # the forward wrote this step's K/V: its registrations stand
-        for sched in out.scheduled:
-            seq = sched.seq
-            start = seq.num_computed_tokens
-            seq.num_computed_tokens += sched.num_new_tokens
-            computed = min(seq.num_prompt_tokens, seq.num_computed_tokens) - start
-            self.computed_prompt_tokens += max(0, computed)
-        touched: dict[str, Request] = {r.request_id: r for r in out.finished}
-        for request, first, entries in result.prompt_logprobs:
-            scored = request.prompt_logprobs
-            assert first <= len(scored), "prompt logprobs arrive in position order"
-            scored.extend(entries[len(scored) - first :])  # a recomputed chunk adds nothing new
-        updates = [(sched.request, self._append_samples, sched.seq, tokens)
-                   for sched, tokens in result.tokens]  # fmt: skip
-        updates += [(request, self._apply_beam_step, step) for request, step in result.beams]
-        for request, apply, *args in updates:
-            touched[request.request_id] = request
-            try:
-                apply(request, *args)
-            except Exception as exc:
-                result.failed.append((request, describe_error(exc, "output processing")))
-        for request, message in result.failed:
-            touched[request.request_id] = request
-            if not request.is_finished:
-                logger.error("request %s failed: %s", request.request_id, message)
-                request.error = message
-                self._finish_request(request, "abort")
-        for request in touched.values():
+        touched = self.lifecycle.apply(out, result)
+        for request in touched:
             if not request.is_finished and all(s.is_finished for s in request.seqs):
-                self._finish_request(request, None)
-        return list(touched.values())
-
-    def _append_samples(self, request: Request, seq: Sequence, tokens: list[SampledToken]) -> None:
-        """The sequence's sampled token; n tokens fork an n > 1 request's prompt sequence first.
-        Then, under a grammar, the text it forces next (jump-forward)."""
-        seqs = [seq] + [self._fork(request, seq) for _ in tokens[1:]]
-        for s, token in zip(seqs, tokens):
-            self._append_output(request, s, token.token_id, token.logprob, token.top_logprobs)
-            if self.config.enable_jump_forward and s.grammar is not None:
-                self._jump_forward(request, s)
-
-    def _append_output(
-        self,
-        request: Request,
-        seq: Sequence,
-        token_id: int,
-        logprob: float,
-        top_logprobs: list[tuple[int, float]],
-    ) -> None:
-        """One generated token: append and hash, advance the grammar, record logprobs, check the
-        stops; a sequence that ends is freed at once."""
-        self._append_token(request, seq, token_id)
-        self.generation_tokens += 1
-        seq.cumulative_logprob += logprob
-        if seq.logprobs is not None:
-            entry = {token_id: logprob}
-            for tid, lp in top_logprobs:
-                entry.setdefault(tid, lp)
-            seq.logprobs.append(entry)
-        reason = self.stop_checker.check(request, seq, token_id)
-        if reason is not None:
-            seq.finish_reason, seq.stop_reason = reason
-            self.kv.free(seq.seq_id)
-
-    def _jump_forward(self, request: Request, seq: Sequence) -> None:
-        """Append the tokens the grammar forces next, as if sampled (the next step runs them as
-        one prefill chunk). Not for sequences that return logprobs (forced tokens have none);
-        at least one token is left to sample before the length limit."""
-        if seq.is_finished or seq.logprobs is not None:
-            return
-        room = request.max_total_tokens - seq.num_tokens - 1
-        for token_id in seq.grammar.jump_forward_tokens()[: max(room, 0)]:
-            self._append_output(request, seq, token_id, 0.0, [])
-            if seq.is_finished:
-                return
-
-    def _apply_beam_step(self, request: Request, step: BeamStep) -> None:
-        """Fork beams chosen more than once, free those not chosen, append each beam's token."""
-        beams = request.live_seqs()
-        request.finished_beams = step.finished
-        if step.done:
-            for seq in beams:
-                seq.finish_reason = "length"
-                self.kv.free(seq.seq_id)
-            return
-        chosen: set[int] = set()
-        new_beams: list[tuple[Sequence, int, float]] = []
-        for parent, token, score in step.continuations:
-            if parent.seq_id in chosen:
-                new_beams.append((self._fork(request, parent), token, score))
-            else:
-                chosen.add(parent.seq_id)
-                new_beams.append((parent, token, score))
-        for seq in beams:
-            if seq.seq_id not in chosen:
-                seq.finish_reason = "abort"
-                self.kv.free(seq.seq_id)
-        request.seqs = []
-        for rank, (seq, token, score) in enumerate(new_beams):
-            seq.index = rank
-            seq.cumulative_logprob = score
-            self._append_token(request, seq, token)
-            request.seqs.append(seq)
-        self.generation_tokens += len(new_beams)
-
-    def _fork(self, request: Request, parent: Sequence) -> Sequence:
-        """A new sequence of ``request`` sharing every block and all state of ``parent``."""
-        child = parent.fork(next(self._seq_ids), index=len(request.seqs))
-        self.kv.fork(parent.seq_id, child.seq_id)
-        request.seqs.append(child)
-        return child
-
-    def _append_token(self, request: Request, seq: Sequence, token_id: int) -> None:
-        """Append, hash the blocks it fills, and advance the sequence's grammar (if any)."""
-        if seq.grammar is not None and not seq.grammar.accept_token(token_id):
-            raise RuntimeError(f"token {token_id} was sampled, but its grammar does not allow it")
-        seq.token_ids.append(token_id)
-        self._hash_new_blocks(request, seq)
-
-    def _hash_new_blocks(self, request: Request, seq: Sequence) -> None:
-        if self.enable_caching:
-            extend_block_hashes(
-                seq.token_ids, self.block_size, request.extra_keys, seq.block_hashes
-            )
+                self._retire(request)
+        return touched
 
     def _finish_request(self, request: Request, reason: str | None) -> None:
-        """Finish live sequences with ``reason`` (if given), free every block (full ones stay
-        cached), leave the queues."""
-        for seq in request.seqs:
-            if reason is not None and not seq.is_finished:
-                seq.finish_reason = reason
-            self.kv.free(seq.seq_id)
+        self.lifecycle.finish(request, reason)
+        self._retire(request)
+
+    def _retire(self, request: Request) -> None:
+        """Take a request whose sequences are all finished out of the queues."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
@@ -497,8 +370,8 @@ class Scheduler:
             num_waiting=len(self.waiting),
             num_preemptions=self.num_preemptions,
             prompt_tokens=self.prompt_tokens,
-            computed_prompt_tokens=self.computed_prompt_tokens,
-            generation_tokens=self.generation_tokens,
+            computed_prompt_tokens=self.lifecycle.computed_prompt_tokens,
+            generation_tokens=self.lifecycle.generation_tokens,
             kv_cache=self.kv.stats(),
         )
 

@@ -245,3 +245,26 @@ def test_a_request_id_in_use_is_refused():
     with pytest.raises(InvalidArgumentError, match="already in use"):
         sched.add_request(make_request("a", [3, 4]))
     assert waiting_ids(sched) == ["a"]
+
+
+def test_abandon_step_requeues_in_order_and_unregisters_the_steps_blocks():
+    sched = make_scheduler(32)
+    sched.add_request(make_request("run", list(range(8))))
+    sample_all(sched, sched.schedule())  # "run" is decoding; its 2 prompt blocks are cached
+    shared = list(range(100, 108))
+    sched.add_request(make_request("a", [*shared, 1]))
+    sched.add_request(make_request("b", [*shared, 2]))  # hits a's blocks in the same step
+    sched.add_request(make_request("late", [5]))
+    out = sched.schedule()
+    assert scheduled(out) == [("run", 1), ("a", 9), ("b", 1), ("late", 1)]
+    cached_before = sched.kv.stats()["cached_blocks"] + sched.kv.stats()["used_blocks"]
+    sched.abandon_step(out)
+    assert waiting_ids(sched) == ["run", "a", "b", "late"] and not sched.running
+    assert all(r.status is RequestStatus.WAITING for r in sched.requests.values())
+    stats = sched.kv.stats()
+    assert stats["used_blocks"] == 0 and stats["cached_blocks"] == 2  # only "run"'s prompt
+    assert cached_before > 2
+    assert [sched.requests[r].num_cached_tokens for r in ("run", "a", "b")] == [0, None, None]
+    out = sched.schedule()  # the retry: "run" from its cached prompt, "b" from "a" again
+    assert scheduled(out) == [("run", 1), ("a", 9), ("b", 1), ("late", 1)]
+    assert sched.requests["b"].num_cached_tokens == 8
