@@ -11,7 +11,8 @@ One ``step()`` is a straight line; every stage hands the next one a value::
                                         forks, stops, frees, finished requests
     OutputProcessor.make_output()    -> one RequestOutput per touched request
 
-Validation happens in ``add_request``: a request the engine accepts can fail later only alone
+Validation happens before a request is queued, in ``RequestPreprocessor.process`` (which
+``add_request`` runs for a raw prompt): a request the engine accepts can fail later only alone
 (``RequestOutput.error``), never the loop. A step whose forward (or sampling) raises is rolled
 back (``Scheduler.abandon_step``): no block it registered stays in the prefix cache and its
 requests are queued again; ``StepFailedError`` (or a ``KeyboardInterrupt`` as it was) tells the
@@ -30,12 +31,13 @@ import torch
 
 from prefixserve.config import EngineConfig
 from prefixserve.detokenizer import IncrementalDetokenizer
-from prefixserve.errors import InvalidArgumentError, PromptTooLongError, StepFailedError
+from prefixserve.errors import InvalidArgumentError, StepFailedError
 from prefixserve.kv.kv_cache_manager import KVCacheManager
 from prefixserve.model_runner import ModelRunner
 from prefixserve.models.loader import load_tokenizer
 from prefixserve.output_processor import OutputProcessor
 from prefixserve.outputs import RequestOutput
+from prefixserve.preprocessor import PreparedRequest, RequestPreprocessor
 from prefixserve.sampler import Sampler
 from prefixserve.sampling_params import BeamSearchParams, SamplingParams
 from prefixserve.sampling_step import SamplingStep
@@ -106,6 +108,13 @@ class LLMEngine:
             self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
         )
         self._structured_requests: Counter[str] = Counter()
+        self.preprocessor = RequestPreprocessor(
+            self.tokenizer,
+            self.model_config.vocab_size,
+            self.max_model_len,
+            config,
+            self.structured_outputs,
+        )
         self.sampling_step = SamplingStep(Sampler(), self.eos_token_ids, self.structured_outputs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.step_times = StepTimes()
@@ -152,106 +161,39 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams | BeamSearchParams,
+        prompt: str | list[int] | PreparedRequest,
+        params: SamplingParams | BeamSearchParams | None = None,
     ) -> Request:
-        """Validate and queue a request. Raises a typed error (and queues nothing) on bad input."""
-        text, token_ids = self._tokenize(prompt)
-        truncate = getattr(params, "truncate_prompt_tokens", None)
-        if truncate is not None and len(token_ids) > truncate:
-            text, token_ids = None, token_ids[-truncate:]
-        self._check_prompt(token_ids, params)
-        max_total = self._check_context(len(token_ids), params.max_tokens)
-        width = params.beam_width if isinstance(params, BeamSearchParams) else params.n
-        self._check_width(width)
-        self.scheduler.check_fits(len(token_ids), max_total, width)
+        """Queue a request: a ``PreparedRequest`` as it is, or a prompt and its ``params`` through
+        ``self.preprocessor`` first. Raises a typed error (and queues nothing) on bad input."""
+        if isinstance(prompt, PreparedRequest):
+            prepared = prompt
+        else:
+            if params is None:
+                raise InvalidArgumentError("params: required with a prompt", "params")
+            prepared = self.preprocessor.process(prompt, params)
+        params = prepared.params
+        token_ids = list(prepared.prompt_token_ids)
+        self.scheduler.check_fits(len(token_ids), prepared.max_total_tokens, prepared.width)
         salt = params.cache_salt
         request = Request(
             request_id=request_id,
-            prompt=text,
+            prompt=prepared.prompt,
             prompt_token_ids=token_ids,
             params=params,
             extra_keys=(salt,) if salt is not None else (),
-            max_total_tokens=max_total,
+            max_total_tokens=prepared.max_total_tokens,
             seqs=[self._prompt_sequence(token_ids, params)],
             generators=self._generators(params),
-            structured_output=self._structured_output(params),
+            structured_output=self._structured_output(prepared),
+            bad_words_token_ids=[list(ids) for ids in prepared.bad_words_token_ids],
         )
-        if isinstance(params, SamplingParams):
-            if params.prompt_logprobs is not None:
-                request.prompt_logprobs = [None]
-            request.bad_words_token_ids = self._bad_words(params.bad_words or [])
+        if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
         self.scheduler.add_request(request)
         if request.structured_output is not None:
             self._structured_requests[request.structured_output.params.kind] += 1
         return request
-
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            return None, list(prompt)
-        raise InvalidArgumentError("prompt: must be a string or a list of token ids", "prompt")
-
-    def _check_prompt(
-        self, token_ids: list[int], params: SamplingParams | BeamSearchParams
-    ) -> None:
-        if not token_ids:
-            raise InvalidArgumentError("prompt: must not be empty", "prompt")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidArgumentError(
-                f"prompt: token id {bad} is outside the vocabulary [0, {vocab})", "prompt"
-            )
-        if (
-            not self.config.enable_chunked_prefill
-            and len(token_ids) > self.config.max_num_batched_tokens
-        ):
-            raise PromptTooLongError(
-                f"prompt: {len(token_ids)} tokens exceed max_num_batched_tokens="
-                f"{self.config.max_num_batched_tokens} with chunked prefill disabled",
-                "prompt",
-            )
-        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
-            ids = getattr(params, name, None) or []
-            bad_ids = [t for t in ids if not 0 <= t < vocab]
-            if bad_ids:
-                raise InvalidArgumentError(
-                    f"{name}: token id {bad_ids[0]} is outside the vocabulary [0, {vocab})", name
-                )
-
-    def _check_context(self, num_prompt: int, max_tokens: int | None) -> int:
-        """The request's length limit (prompt + output); raises ``PromptTooLongError`` (OpenAI's
-        message) when the prompt, or the prompt plus ``max_tokens``, exceeds the context."""
-        limit = self.max_model_len
-        if num_prompt >= limit:
-            raise PromptTooLongError(
-                f"This model's maximum context length is {limit} tokens. However, your request "
-                f"has {num_prompt} input tokens. Please reduce the length of the input.",
-                "prompt",
-            )
-        if max_tokens is None:
-            return limit
-        if num_prompt + max_tokens > limit:
-            raise PromptTooLongError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{num_prompt + max_tokens} tokens ({num_prompt} in the input, {max_tokens} in "
-                "the completion). Please reduce the length of the input or completion.",
-                "max_tokens",
-            )
-        return num_prompt + max_tokens
-
-    def _check_width(self, width: int) -> None:
-        if width > min(self.config.max_num_seqs, self.config.max_num_batched_tokens):
-            raise InvalidArgumentError(
-                f"n / beam_width: {width} sequences cannot run together with max_num_seqs="
-                f"{self.config.max_num_seqs} and max_num_batched_tokens="
-                f"{self.config.max_num_batched_tokens}",
-                "n",
-            )
 
     def _prompt_sequence(
         self, token_ids: list[int], params: SamplingParams | BeamSearchParams
@@ -269,16 +211,6 @@ class LLMEngine:
                 seq.logprobs = []
         return seq
 
-    def _bad_words(self, words: list[str]) -> list[list[int]]:
-        """Each word as the tokenizer writes it alone and after a space (as vLLM does)."""
-        sequences = []
-        for word in words:
-            for text in (word, " " + word):
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
-                if ids and ids not in sequences:
-                    sequences.append(ids)
-        return sequences
-
     def _generators(self, params: SamplingParams | BeamSearchParams) -> list | None:
         """A seeded request's generators: sample ``j`` draws from its own stream."""
         if not isinstance(params, SamplingParams) or params.seed is None:
@@ -290,15 +222,12 @@ class LLMEngine:
             generators.append(generator)
         return generators
 
-    def _structured_output(
-        self, params: SamplingParams | BeamSearchParams
-    ) -> StructuredOutputRequest | None:
-        """Start compiling the request's grammar (off this thread; cached by spec)."""
-        so = params.structured_outputs
-        if so is None:
+    def _structured_output(self, prepared: PreparedRequest) -> StructuredOutputRequest | None:
+        """The request's grammar, compiling off this thread (submitted by the preprocessor)."""
+        if prepared.grammar is None:
             return None
-        manager = self.structured_outputs
-        return StructuredOutputRequest(so, manager.submit(so), manager.new_grammar)
+        so = prepared.params.structured_outputs
+        return StructuredOutputRequest(so, prepared.grammar, self.structured_outputs.new_grammar)
 
     def abort_request(self, request_id: str, error: str | None = None) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output (failed with

@@ -97,14 +97,17 @@ class LLM:
 
     def _run(self, prompts: list[PromptType], params: list, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
-        for p in params:  # a grammar that cannot compile raises here, before anything is queued
-            if p.structured_outputs is not None:
-                engine.structured_outputs.validate(p.structured_outputs)
+        # every prompt is prepared (and its grammar compiled) before anything is queued, so a
+        # bad one raises with nothing left running
+        prepared = [engine.preprocessor.process(prompt, p) for prompt, p in zip(prompts, params)]
+        for request in prepared:
+            if request.grammar is not None:
+                request.grammar.result()  # raises the compile's InvalidArgumentError
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for request in prepared:
                 rid = str(next(self._request_ids))
-                engine.add_request(rid, prompt, p)
+                engine.add_request(rid, request)
                 ids.append(rid)
         except Exception:
             for rid in ids:

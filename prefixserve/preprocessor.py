@@ -1,0 +1,159 @@
+"""One request preprocessor: a prompt and its parameters become a frozen ``PreparedRequest``.
+
+::
+
+    prompt (text | token ids) + params
+      -> tokenize (text only) -> truncate (``truncate_prompt_tokens``: keep the last k)
+      -> validate: non-empty, ids in the vocabulary, fits the context (prompt + max_tokens),
+         the width (n, beam_width) fits a step, whole prompts when chunked prefill is off
+      -> bad_words as token sequences -> grammar submitted for compiling (once, cached by spec)
+      -> PreparedRequest
+
+Every check a user can fail raises a typed error here (``InvalidArgumentError`` or
+``PromptTooLongError``, OpenAI's message for the context), before anything is queued. The
+offline ``LLM``, the HTTP handlers (through ``AsyncEngine.prepare``) and ``LLMEngine.add_request``
+all go through ``process``; a request prepared once is never tokenized or validated again. What
+only the engine can check (whether the request could ever fit in the KV cache) stays there.
+
+Thread-safe: it holds no mutable state (the grammar manager is thread-safe), so handlers call it
+on the event loop while the engine steps on its own thread.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from prefixserve.config import EngineConfig
+from prefixserve.errors import InvalidArgumentError, PromptTooLongError
+from prefixserve.sampling_params import BeamSearchParams, SamplingParams
+from prefixserve.structured_outputs.manager import StructuredOutputManager
+
+Params = SamplingParams | BeamSearchParams
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """A request the engine queues as it is. ``prompt`` is the text when one was given and kept
+    whole (None after truncation or for token ids); ``max_total_tokens`` is the length limit
+    (prompt + output); ``grammar`` the compile of ``params.structured_outputs`` (None without)."""
+
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    params: Params
+    max_total_tokens: int
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    grammar: Future | None = None
+
+    @property
+    def width(self) -> int:
+        """Sequences the request grows: n, or the beam width."""
+        return self.params.beam_width if isinstance(self.params, BeamSearchParams) else self.params.n
+
+
+class RequestPreprocessor:
+    """Tokenizes and validates requests for one engine (its tokenizer, vocabulary, context and
+    step limits) and submits their grammars to its ``StructuredOutputManager``."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        max_model_len: int,
+        config: EngineConfig,
+        structured_outputs: StructuredOutputManager,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.structured_outputs = structured_outputs
+
+    def process(self, prompt: str | list[int], params: Params) -> PreparedRequest:
+        """The prepared request, or a typed error naming what to change."""
+        text, token_ids = self._tokenize(prompt)
+        truncate = getattr(params, "truncate_prompt_tokens", None)
+        if truncate is not None and len(token_ids) > truncate:
+            text, token_ids = None, token_ids[-truncate:]
+        self._check_prompt(token_ids, params)
+        max_total = self.check_context(len(token_ids), params.max_tokens)
+        width = params.beam_width if isinstance(params, BeamSearchParams) else params.n
+        self._check_width(width)
+        bad_words = self._bad_words(getattr(params, "bad_words", None) or [])
+        so = params.structured_outputs
+        grammar = self.structured_outputs.submit(so) if so is not None else None
+        return PreparedRequest(text, tuple(token_ids), params, max_total, bad_words, grammar)
+
+    def check_context(self, num_prompt: int, max_tokens: int | None) -> int:
+        """The request's length limit (prompt + output); raises ``PromptTooLongError`` (OpenAI's
+        message) when the prompt, or the prompt plus ``max_tokens``, exceeds the context."""
+        limit = self.max_model_len
+        if num_prompt >= limit:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {limit} tokens. However, your request "
+                f"has {num_prompt} input tokens. Please reduce the length of the input.",
+                "prompt",
+            )
+        if max_tokens is None:
+            return limit
+        if num_prompt + max_tokens > limit:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the input, {max_tokens} in "
+                "the completion). Please reduce the length of the input or completion.",
+                "max_tokens",
+            )
+        return num_prompt + max_tokens
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            return None, list(prompt)
+        raise InvalidArgumentError("prompt: must be a string or a list of token ids", "prompt")
+
+    def _check_prompt(self, token_ids: list[int], params: Params) -> None:
+        if not token_ids:
+            raise InvalidArgumentError("prompt: must not be empty", "prompt")
+        vocab = self.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidArgumentError(
+                f"prompt: token id {bad} is outside the vocabulary [0, {vocab})", "prompt"
+            )
+        if not self.enable_chunked_prefill and len(token_ids) > self.max_num_batched_tokens:
+            raise PromptTooLongError(
+                f"prompt: {len(token_ids)} tokens exceed max_num_batched_tokens="
+                f"{self.max_num_batched_tokens} with chunked prefill disabled",
+                "prompt",
+            )
+        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+            ids = getattr(params, name, None) or []
+            bad_ids = [t for t in ids if not 0 <= t < vocab]
+            if bad_ids:
+                raise InvalidArgumentError(
+                    f"{name}: token id {bad_ids[0]} is outside the vocabulary [0, {vocab})", name
+                )
+
+    def _check_width(self, width: int) -> None:
+        if width > min(self.max_num_seqs, self.max_num_batched_tokens):
+            raise InvalidArgumentError(
+                f"n / beam_width: {width} sequences cannot run together with max_num_seqs="
+                f"{self.max_num_seqs} and max_num_batched_tokens={self.max_num_batched_tokens}",
+                "n",
+            )
+
+    def _bad_words(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """Each word as the tokenizer writes it alone and after a space (as vLLM does)."""
+        sequences: list[tuple[int, ...]] = []
+        for word in words:
+            for text in (word, " " + word):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return tuple(sequences)
