@@ -3,6 +3,7 @@
 Threads and ownership::
 
     event loop (handlers)                       engine thread (sole owner of the LLMEngine)
+    prepare() (tokenize, validate, grammar submitted: the engine's thread-safe preprocessor)
     add()   --> _pending adds  ------------->   engine.add_request  -> accepted | error
     abort() --> _pending aborts ------------>   engine.abort_request (between steps)
     RequestStream.queue  <-- call_soon_threadsafe --  engine.step() outputs, one batch per step
@@ -38,6 +39,7 @@ from prefixserve.api.protocol import APIError
 from prefixserve.engine import EngineStats, LLMEngine
 from prefixserve.errors import StepFailedError
 from prefixserve.outputs import RequestOutput
+from prefixserve.preprocessor import PreparedRequest
 from prefixserve.sampling_params import BeamSearchParams, SamplingParams
 from prefixserve.structured_outputs.params import StructuredOutputsParams
 
@@ -156,7 +158,11 @@ class AsyncEngine:
         self.dead: BaseException | None = None
         self._cond = threading.Condition()
         self._adds: list[
-            tuple[RequestStream, str | list[int], SamplingParams | BeamSearchParams]
+            tuple[
+                RequestStream,
+                PreparedRequest | str | list[int],
+                SamplingParams | BeamSearchParams | None,
+            ]
         ] = []
         self._aborts: list[str] = []
         self._fail_all: BaseException | None = None
@@ -195,14 +201,22 @@ class AsyncEngine:
                 f"{self.max_waiting}); retry after {RETRY_AFTER_SECONDS} s"
             )
 
+    def prepare(
+        self, prompt: str | list[int], params: SamplingParams | BeamSearchParams
+    ) -> PreparedRequest:
+        """Tokenize and validate a request on the caller's thread, submitting its grammar (the
+        engine's ``RequestPreprocessor`` is thread-safe); raises its typed error."""
+        return self.engine.preprocessor.process(prompt, params)
+
     async def add(
         self,
         request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams | BeamSearchParams,
+        prompt: PreparedRequest | str | list[int],
+        params: SamplingParams | BeamSearchParams | None = None,
         timeout: float | None = None,
     ) -> RequestStream:
-        """Queue a request; returns its stream once the engine accepted it, else raises its error.
+        """Queue a request (prepared, or a prompt with its ``params``); returns its stream once
+        the engine accepted it, else raises its error.
 
         With ``timeout`` (seconds from now) the stream raises ``RequestTimeoutError`` past it.
         """

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from prefixserve.api.async_engine import AsyncEngine, RequestStream
+from prefixserve.api.async_engine import RequestStream
+from prefixserve.api.engine_client import EngineClient
 from prefixserve.api.protocol import APIError, PromptTokensDetails, Usage
 
 from prefixserve.errors import CacheCapacityError, InvalidArgumentError
@@ -103,7 +104,7 @@ class BaseServing:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         served_model_names: list[str],
         request_timeout: float | None = None,
         require_cache_salt: bool = False,
@@ -238,20 +239,37 @@ class BaseServing:
                 raise APIError(f"{name}: not supported with use_beam_search", 400, name)
 
     async def add_all(
-        self, request_id: str, prompts: list[list[int]], params_list: list, prompt_param: str
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        params_list: list,
+        prompt_param: str,
+        grammar_param: str | None = None,
     ) -> list[RequestStream]:
-        """Add one engine request per prompt; on any refusal abort those added and raise a 400
-        (the engine's "prompt" parameter is reported as ``prompt_param``).
+        """Prepare every prompt (tokens, validation, grammar compiled once), then add one engine
+        request per prompt. A refusal is a 400 before anything is queued (the engine's "prompt"
+        parameter is reported as ``prompt_param``, a grammar that cannot compile as
+        ``grammar_param``); a later one aborts those added.
 
         Raises ``EngineOverloadedError`` (503) before adding anything when the queue is full.
         """
-        self.engine.admit(len(prompts))
+        try:
+            prepared = [self.engine.prepare(p, params) for p, params in zip(prompts, params_list)]
+            for request in prepared:
+                if request.grammar is not None:
+                    await asyncio.wrap_future(request.grammar)
+        except InvalidArgumentError as exc:
+            param = prompt_param if exc.param == "prompt" else exc.param
+            if exc.param == "structured_outputs" and grammar_param is not None:
+                param = grammar_param
+            raise APIError(str(exc), 400, param) from exc
+        self.engine.admit(len(prepared))
         streams: list[RequestStream] = []
         try:
-            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            for i, request in enumerate(prepared):
                 streams.append(
                     await self.engine.add(
-                        f"{request_id}-{i}", prompt, params, timeout=self.request_timeout
+                        f"{request_id}-{i}", request, timeout=self.request_timeout
                     )
                 )
         except (InvalidArgumentError, CacheCapacityError) as exc:

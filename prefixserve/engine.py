@@ -37,7 +37,7 @@ from prefixserve.model_runner import ModelRunner
 from prefixserve.models.loader import load_tokenizer
 from prefixserve.output_processor import OutputProcessor
 from prefixserve.outputs import RequestOutput
-from prefixserve.preprocessor import PreparedRequest, RequestPreprocessor
+from prefixserve.preprocessor import PreparedRequest, RequestPreprocessor, StepLimits
 from prefixserve.sampler import Sampler
 from prefixserve.sampling_params import BeamSearchParams, SamplingParams
 from prefixserve.sampling_step import SamplingStep
@@ -112,7 +112,7 @@ class LLMEngine:
             self.tokenizer,
             self.model_config.vocab_size,
             self.max_model_len,
-            config,
+            StepLimits.of(config),
             self.structured_outputs,
         )
         self.sampling_step = SamplingStep(Sampler(), self.eos_token_ids, self.structured_outputs)

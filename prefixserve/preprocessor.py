@@ -52,6 +52,20 @@ class PreparedRequest:
         return self.params.beam_width if isinstance(self.params, BeamSearchParams) else self.params.n
 
 
+@dataclass(frozen=True, slots=True)
+class StepLimits:
+    """The engine's per-step limits a request is checked against (``EngineConfig``'s values;
+    the scale-out ingress gets them from its replicas)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> StepLimits:
+        return cls(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
+
+
 class RequestPreprocessor:
     """Tokenizes and validates requests for one engine (its tokenizer, vocabulary, context and
     step limits) and submits their grammars to its ``StructuredOutputManager``."""
@@ -61,15 +75,15 @@ class RequestPreprocessor:
         tokenizer: Any,
         vocab_size: int,
         max_model_len: int,
-        config: EngineConfig,
+        limits: StepLimits,
         structured_outputs: StructuredOutputManager,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.max_num_seqs = limits.max_num_seqs
+        self.max_num_batched_tokens = limits.max_num_batched_tokens
+        self.enable_chunked_prefill = limits.enable_chunked_prefill
         self.structured_outputs = structured_outputs
 
     def process(self, prompt: str | list[int], params: Params) -> PreparedRequest:

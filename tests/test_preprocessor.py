@@ -9,7 +9,7 @@ from prefixserve import LLM, BeamSearchParams, SamplingParams, StructuredOutputs
 from prefixserve.config import EngineConfig
 from prefixserve.errors import InvalidArgumentError, PromptTooLongError
 from prefixserve.models.builtin import builtin_tokenizer
-from prefixserve.preprocessor import PreparedRequest, RequestPreprocessor
+from prefixserve.preprocessor import PreparedRequest, RequestPreprocessor, StepLimits
 from prefixserve.structured_outputs.manager import StructuredOutputManager
 
 TOKENIZER = builtin_tokenizer()
@@ -25,7 +25,8 @@ def grammars():
 
 
 def make(grammars, max_model_len: int = 64, **config) -> RequestPreprocessor:
-    return RequestPreprocessor(TOKENIZER, VOCAB, max_model_len, EngineConfig(**config), grammars)
+    limits = StepLimits.of(EngineConfig(**config))
+    return RequestPreprocessor(TOKENIZER, VOCAB, max_model_len, limits, grammars)
 
 
 def test_text_is_tokenized_ids_are_kept_and_the_limit_is_prompt_plus_max_tokens(grammars):

@@ -33,6 +33,7 @@ from prefixserve.api.metrics import ServerMetrics
 from prefixserve.api.protocol import APIError
 from prefixserve.api.server import ServerConfig, build_app, drain
 from prefixserve.errors import InvalidArgumentError, PrefixServeError, require
+from prefixserve.preprocessor import StepLimits
 from prefixserve.scale_out.cluster import ClusterView, cluster_router
 from prefixserve.scale_out.protocol import ACCEPTED, EngineRequest, KVEventsEndpoint, ReplicaReport
 from prefixserve.scale_out.ray_router import request_router_config
@@ -110,6 +111,7 @@ class EngineReplica:
             vocab_size=llm_engine.model_config.vocab_size,
             eos_token_ids=llm_engine.eos_token_ids,
             block_size=config.block_size,
+            limits=StepLimits.of(config),
         )
         logger.info("replica %s: KV events on %s", self.replica, self.kv_events.endpoint)
 

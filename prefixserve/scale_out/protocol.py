@@ -26,7 +26,8 @@ ACCEPTED = "accepted"
 
 @dataclass(slots=True)
 class EngineRequest:
-    """One engine request, tokenized once by the ingress (chat template included).
+    """One engine request, prepared once by the ingress (chat template and truncation included:
+    ``prompt_token_ids`` are the ids the engine keeps).
 
     ``prompt`` is for routers that match text (Ray's ``PrefixCacheAffinityRouter`` reads a
     ``prompt`` attribute): one character per token id, so its character prefixes are exactly the
@@ -40,13 +41,6 @@ class EngineRequest:
     @property
     def prompt(self) -> str:
         return "".join(map(chr, self.prompt_token_ids))
-
-    @property
-    def engine_token_ids(self) -> list[int]:
-        """The prompt as the engine keeps it (``truncate_prompt_tokens`` keeps the last k)."""
-        keep = getattr(self.params, "truncate_prompt_tokens", None)
-        ids = self.prompt_token_ids
-        return ids[-keep:] if keep is not None and len(ids) > keep else ids
 
     @property
     def uses_prefix_cache(self) -> bool:

@@ -149,7 +149,7 @@ class PrefixAwareRequestRouter(ReportingRouter, RequestRouter):
         request = _engine_request(pending_request)
         if request is None:
             return [candidate_replicas]
-        prompt = request.engine_token_ids
+        prompt = request.prompt_token_ids
         hashes = request_block_hashes(prompt, self.block_size, request.cache_salt)
         by_key = {r.replica_id.unique_id: r for r in candidate_replicas}
         decision = self.state.route(

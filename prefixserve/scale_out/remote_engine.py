@@ -28,6 +28,7 @@ from typing import Any
 from prefixserve.api.async_engine import RETRY_AFTER_SECONDS, EngineOverloadedError, RequestStream
 from prefixserve.api.protocol import APIError
 from prefixserve.outputs import RequestOutput
+from prefixserve.preprocessor import PreparedRequest, RequestPreprocessor, StepLimits
 from prefixserve.sampling_params import BeamSearchParams, SamplingParams
 from prefixserve.scale_out.protocol import ACCEPTED, EngineRequest
 from prefixserve.structured_outputs.params import StructuredOutputsParams
@@ -47,6 +48,7 @@ class EngineInfo:
     vocab_size: int
     eos_token_ids: frozenset[int]
     block_size: int
+    limits: StepLimits
 
 
 class ReplicaFailedError(APIError):
@@ -84,7 +86,7 @@ class RemoteEngine:
         self._live: dict[str, tuple[asyncio.Task, RequestStream]] = {}
         self._num_accepting = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._grammars = None  # a StructuredOutputManager, built on first use
+        self._preprocessor: RequestPreprocessor | None = None  # built on first use
 
     # ---- the AsyncEngine interface ------------------------------------------------------------
 
@@ -96,8 +98,8 @@ class RemoteEngine:
         if self._loop is not None and not self._loop.is_closed():
             error = APIError("the server shut down before this request finished; retry it", 503)
             self._loop.call_soon_threadsafe(self.fail_all, error)
-        if self._grammars is not None:
-            self._grammars.shutdown()
+        if self._preprocessor is not None:
+            self._preprocessor.structured_outputs.shutdown()
 
     def admit(self, count: int) -> None:
         if self.max_waiting is not None and self._num_accepting + count > self.max_waiting:
@@ -106,16 +108,39 @@ class RemoteEngine:
                 f"(limit {self.max_waiting}); retry after {RETRY_AFTER_SECONDS} s"
             )
 
+    def prepare(
+        self, prompt: str | list[int], params: SamplingParams | BeamSearchParams
+    ) -> PreparedRequest:
+        """Prepare at the door, against the replicas' limits: the ingress tokenizes and truncates
+        once, refuses bad input with a 400 before any replica sees it, and compiles the grammar
+        (into its own cache) to refuse a bad one. The replica prepares the ids it gets again,
+        which truncates nothing more and compiles the grammar into the replica's cache."""
+        return self._get_preprocessor().process(prompt, params)
+
+    def _get_preprocessor(self) -> RequestPreprocessor:
+        if self._preprocessor is None:
+            from prefixserve.structured_outputs.manager import StructuredOutputManager
+
+            info = self.info
+            grammars = StructuredOutputManager(
+                self.tokenizer, info.vocab_size, sorted(info.eos_token_ids)
+            )
+            self._preprocessor = RequestPreprocessor(
+                self.tokenizer, info.vocab_size, info.max_model_len, info.limits, grammars
+            )
+        return self._preprocessor
+
     async def add(
         self,
         request_id: str,
-        prompt: str | Sequence[int],
-        params: SamplingParams | BeamSearchParams,
+        prompt: PreparedRequest | str | Sequence[int],
+        params: SamplingParams | BeamSearchParams | None = None,
         timeout: float | None = None,
     ) -> RequestStream:
         stream = RequestStream.create(request_id, timeout)
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        pump = asyncio.create_task(self._pump(EngineRequest(request_id, token_ids, params), stream))
+        prepared = prompt if isinstance(prompt, PreparedRequest) else self.prepare(prompt, params)
+        request = EngineRequest(request_id, list(prepared.prompt_token_ids), prepared.params)
+        pump = asyncio.create_task(self._pump(request, stream))
         self._live[request_id] = (pump, stream)
         pump.add_done_callback(lambda _: self._live.pop(request_id, None))
         self._num_accepting += 1
@@ -139,15 +164,9 @@ class RemoteEngine:
             self._fail(stream, error)
 
     async def compile_grammar(self, params: StructuredOutputsParams) -> None:
-        """Check a grammar at the door (a 400 before any replica sees the request); the
-        replica compiles it again into its own cache."""
-        if self._grammars is None:
-            from prefixserve.structured_outputs.manager import StructuredOutputManager
-
-            self._grammars = StructuredOutputManager(
-                self.tokenizer, self.info.vocab_size, sorted(self.eos_token_ids)
-            )
-        await asyncio.wrap_future(self._grammars.submit(params))
+        """Check a grammar at the door (a 400 before any replica sees the request)."""
+        grammars = self._get_preprocessor().structured_outputs
+        await asyncio.wrap_future(grammars.submit(params))
 
     # ---- one request ---------------------------------------------------------------------------
 
