@@ -3,7 +3,8 @@
 Each replica reports, through Ray Serve's ``record_routing_stats`` (every
 ``request_routing_stats_period_s``), its ``/stats`` figures and its Prometheus text; the engine
 deployment's router in the ingress process holds the latest reports and its own decisions (the
-ingress passes a function that finds it: ``ray_private.request_router_of`` on its handle). Nothing here calls a replica, so a scrape costs no replica time.
+ingress passes a function that finds it: ``ray_private.request_router_of`` on its handle).
+Nothing here calls a replica, so a scrape costs no replica time.
 
 - /metrics: every replica's prefixserve metrics with a ``replica`` label, then the router's
   ``prefixserve_router_requests_total{replica, reason}``,
