@@ -30,7 +30,7 @@ from workloads import RESULTS_DIR
 
 from prefixserve.config import EngineConfig
 from prefixserve.engine import LLMEngine
-from prefixserve.models.builtin import builtin_tokenizer
+from prefixserve.models.random_checkpoint import tokenizer_fields, write_random_checkpoint
 from prefixserve.sampling_params import SamplingParams
 
 DEFAULT_MODEL_DIR = RESULTS_DIR / "bench-model"
@@ -46,32 +46,17 @@ SEED = 1234
 
 
 def build_checkpoint(folder: Path, seed: int = SEED) -> Path:
-    """Write the bench checkpoint (safetensors, float32) and the built-in tokenizer into ``folder``.
-
-    Weights use ``initializer_range`` 0.05 and norm weights around 1 with spread, so greedy argmax
-    margins are wide enough for float32 agreement checks between two implementations.
-    """
-    tok = builtin_tokenizer()
-    eos = [tok.convert_tokens_to_ids(t) for t in ("<|end_of_text|>", "<|im_end|>")]
+    """Write the bench checkpoint (safetensors, float32) and the built-in tokenizer into ``folder``
+    (``prefixserve.models.random_checkpoint``'s recipe at ``initializer_range`` 0.05: greedy
+    argmax margins wide enough for float32 agreement checks between two implementations)."""
     config = transformers.LlamaConfig(
         **SHAPE,
-        vocab_size=len(tok),
+        **tokenizer_fields(),
         initializer_range=0.05,
         rms_norm_eps=1e-6,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=eos,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return write_random_checkpoint(config, folder, seed=seed)
 
 
 def ensure_checkpoint(folder: Path | str = DEFAULT_MODEL_DIR, force: bool = False) -> Path:

@@ -39,7 +39,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from bench_model import RESULTS_DIR
 from report import save_figure, write_json
-from workloads import WORDS, random_tokens
+from workloads import WORDS, parse_sizes, random_tokens
 
 
 @dataclass
@@ -242,14 +242,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt-format", choices=["ids", "text"], default="ids")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson, req/s")
     parser.add_argument("--concurrency", type=int, default=0, help="max in flight (0: no cap)")
-    parser.add_argument("--groups", type=int, default=4)
-    parser.add_argument("--prompts-per-group", type=int, default=16)
-    parser.add_argument("--agents", type=int, default=16)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--system-len", type=int, default=1024)
-    parser.add_argument("--question-len", type=int, default=32)
-    parser.add_argument("--tool-len", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument(
         "--no-metrics", action="store_true", help="server has no prefixserve /metrics"
@@ -257,10 +249,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default=str(RESULTS_DIR))
     parser.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.groups, args.prompts_per_group, args.agents, args.turns = 2, 2, 2, 2
-        args.system_len, args.question_len, args.tool_len, args.output_len = 64, 8, 8, 4
+    args = parse_sizes(parser, argv, {
+        "groups": (4, 2), "prompts_per_group": (16, 2), "agents": (16, 2), "turns": (4, 2),
+        "system_len": (1024, 64), "question_len": (32, 8), "tool_len": (64, 8),
+        "output_len": (32, 4),
+    })  # fmt: skip
     run = asyncio.run(run_load(args))
     summary = summarize_load(run)
     shape = (

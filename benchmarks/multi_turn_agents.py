@@ -22,22 +22,15 @@ from __future__ import annotations
 import random
 
 from bench_model import BenchRequest
-from shared_prefix import common_args, run_comparison, save_and_print
+from shared_prefix import parse_comparison_args, run_comparison, save_and_print
 from workloads import random_tokens
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = common_args(__doc__.split("\n\n")[0])
-    parser.add_argument("--agents", type=int, default=16)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--system-len", type=int, default=1024)
-    parser.add_argument("--task-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--tool-len", type=int, default=64)
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.agents, args.turns, args.system_len = 4, 2, 128
-        args.task_len, args.output_len, args.tool_len, args.hf_batch_size = 16, 8, 16, 4
+    args = parse_comparison_args(__doc__.split("\n\n")[0], argv, {
+        "agents": (16, 4), "turns": (4, 2), "system_len": (1024, 128), "task_len": (32, 16),
+        "output_len": (32, 8), "tool_len": (64, 16),
+    })  # fmt: skip
     rng = random.Random(args.seed)
     system = random_tokens(rng, args.system_len)
     tasks = [random_tokens(rng, args.task_len) for _ in range(args.agents)]

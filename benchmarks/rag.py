@@ -20,24 +20,15 @@ from __future__ import annotations
 import random
 
 from bench_model import BenchRequest
-from shared_prefix import common_args, run_comparison, save_and_print
+from shared_prefix import parse_comparison_args, run_comparison, save_and_print
 from workloads import random_tokens
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = common_args(__doc__.split("\n\n")[0])
-    parser.add_argument("--doc-sets", type=int, default=3)
-    parser.add_argument("--docs-per-set", type=int, default=4)
-    parser.add_argument("--doc-len", type=int, default=256)
-    parser.add_argument("--preamble-len", type=int, default=64)
-    parser.add_argument("--questions-per-set", type=int, default=24)
-    parser.add_argument("--question-len", type=int, default=48)
-    parser.add_argument("--output-len", type=int, default=48)
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.doc_sets, args.docs_per_set, args.doc_len, args.preamble_len = 2, 2, 48, 16
-        args.questions_per_set, args.question_len, args.output_len = 4, 16, 8
-        args.hf_batch_size = 4
+    args = parse_comparison_args(__doc__.split("\n\n")[0], argv, {
+        "doc_sets": (3, 2), "docs_per_set": (4, 2), "doc_len": (256, 48), "preamble_len": (64, 16),
+        "questions_per_set": (24, 4), "question_len": (48, 16), "output_len": (48, 8),
+    })  # fmt: skip
     rng = random.Random(args.seed)
     preamble = random_tokens(rng, args.preamble_len)
     contexts = [

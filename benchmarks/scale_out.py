@@ -35,7 +35,7 @@ import httpx
 from bench_model import RESULTS_DIR, BenchRequest, ensure_checkpoint, machine
 from http_load import Turn, stream_completion
 from report import hit_rate, plot_result, summarize, write_json
-from workloads import random_tokens
+from workloads import parse_sizes, random_tokens
 
 SYSTEMS = ("prefix", "pow2", "ray-prefix", "single")
 BLOCK_SIZE = 16
@@ -51,22 +51,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run")
     p.add_argument("--rounds", type=int, default=None, help="default 2 (1 with --quick)")
-    p.add_argument("--groups", type=int, default=6)
-    p.add_argument("--requests", type=int, default=96)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--system-len", type=int, default=1024)
     p.add_argument("--question-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=8)
-    p.add_argument("--pool-prefixes", type=float, default=4.5)
     p.add_argument("--replica-num-cpus", type=float, default=1.0)
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--model-dir", default=None, help="default: the bench checkpoint")
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    if args.quick:
-        args.groups, args.requests, args.system_len, args.concurrency = 4, 24, 256, 4
-        args.pool_prefixes = 3.0
+    args = parse_sizes(p, argv, {
+        "groups": (6, 4), "requests": (96, 24), "concurrency": (8, 4), "system_len": (1024, 256),
+        "pool_prefixes": (4.5, 3.0),
+    })  # fmt: skip
     args.rounds = args.rounds or (1 if args.quick else 2)
     return args
 

@@ -46,11 +46,14 @@ from bench_model import (
 )
 from hf_baselines import HFServer, pad_token_id
 from report import agreement, hit_rate, plot_result, summarize, write_json
-from workloads import random_tokens
+from workloads import parse_sizes, random_tokens
 
 
-def common_args(description: str) -> argparse.ArgumentParser:
-    """Options every side-by-side benchmark takes."""
+def parse_comparison_args(
+    description: str, argv: list[str] | None, sizes: dict[str, tuple[int, int]]
+) -> argparse.Namespace:
+    """The options every side-by-side benchmark takes, and its workload ``sizes`` (``NAME: (full,
+    quick)``, ``workloads.parse_sizes``), parsed from ``argv``."""
     parser = argparse.ArgumentParser(
         description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -58,7 +61,6 @@ def common_args(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--model-dir", default=str(DEFAULT_MODEL_DIR))
     parser.add_argument("--out-dir", default=str(RESULTS_DIR))
     parser.add_argument("--threads", type=int, default=2, help="torch threads, all systems")
-    parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256, help="prefixserve option")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="prefixserve")
     parser.add_argument("--seed", type=int, default=0)
@@ -72,7 +74,7 @@ def common_args(description: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--skip-hf", action="store_true", help="run prefixserve only (no baselines, no ratios)"
     )
-    return parser
+    return parse_sizes(parser, argv, {"hf_batch_size": (16, 4), **sizes})
 
 
 def run_comparison(
@@ -246,16 +248,10 @@ def cached_vs_uncached_ttft(
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = common_args(__doc__.split("\n\n")[0])
-    parser.add_argument("--groups", type=int, default=4)
-    parser.add_argument("--prompts-per-group", type=int, default=16)
-    parser.add_argument("--system-len", type=int, default=1024)
-    parser.add_argument("--question-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=32)
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.groups, args.prompts_per_group, args.system_len = 2, 4, 128
-        args.question_len, args.output_len, args.hf_batch_size = 16, 8, 4
+    args = parse_comparison_args(__doc__.split("\n\n")[0], argv, {
+        "groups": (4, 2), "prompts_per_group": (16, 4), "system_len": (1024, 128),
+        "question_len": (32, 16), "output_len": (32, 8),
+    })  # fmt: skip
     g, p, s, q, o = (
         args.groups,
         args.prompts_per_group,

@@ -43,7 +43,7 @@ from bench_model import (
     set_threads,
 )
 from report import write_json
-from workloads import random_tokens
+from workloads import parse_sizes, random_tokens
 
 from prefixserve.engine import LLMEngine
 from prefixserve.sampling_params import SamplingParams
@@ -254,14 +254,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[32, 64])
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--calls", type=int, default=16)
-    parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.batch_sizes, args.steps, args.calls, args.turns, args.rounds = [4], 4, 4, 3, 1
+    args = parse_sizes(parser, argv, {
+        "batch_sizes": ([32, 64], [4]), "steps": (24, 4), "calls": (16, 4), "turns": (6, 3),
+        "rounds": (3, 1),
+    })  # fmt: skip
     set_threads(args.threads)
     folder = ensure_checkpoint(args.model_dir)
     result = {

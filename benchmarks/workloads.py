@@ -1,5 +1,6 @@
 """Synthetic workloads shared by the benchmarks (pure functions, no engine): request-length
-distributions, random prompts, and the options and request lists of the KV-memory benchmarks.
+distributions, random prompts, the options and request lists of the KV-memory benchmarks, and
+``parse_sizes`` (a benchmark's workload sizes, full and ``--quick``).
 
 The two distributions stand in for the datasets of the PagedAttention paper (Kwon et al., SOSP
 2023, Fig. 11), whose means they copy; their shapes (lognormal, the sigmas below) are our choice,
@@ -27,6 +28,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import NormalDist
+from typing import Any
 
 RESULTS_DIR = Path(__file__).parent / "results"
 MAX_MODEL_LEN = 4096  # the built-in model's context
@@ -134,3 +136,20 @@ def parse_run_options(
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--quick", action="store_true", help=f"{quick_help} (CI smoke test)")
     return parser.parse_args(argv)
+
+
+def parse_sizes(
+    parser: argparse.ArgumentParser, argv: list[str] | None, sizes: dict[str, tuple[Any, Any]]
+) -> argparse.Namespace:
+    """Parse ``argv`` with an option ``--NAME`` added for every workload size ``NAME: (full,
+    quick)`` (a number, or a list of them: one run each; of the full value's type). The parser
+    has ``--quick``; with it every size takes its quick value, whatever was passed."""
+    for name, (full, _) in sizes.items():
+        many = isinstance(full, list)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(full[0] if many else full),
+                            default=full, nargs="+" if many else None)  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.quick:
+        for name, (_, quick) in sizes.items():
+            setattr(args, name, quick)
+    return args

@@ -12,26 +12,13 @@ from __future__ import annotations
 
 import json
 
-from common import connect, example_parser
+from common import FLEET_QUESTION, connect, example_parser, host_status_tool
 
 SYSTEM = (
     "You are an operations agent for a fleet of web servers. Use the tools to inspect hosts "
     "before answering, never guess, and keep answers short. " * 3
 )
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "host_status",
-            "description": "CPU, memory and error rate of one host.",
-            "parameters": {
-                "type": "object",
-                "properties": {"host": {"type": "string"}},
-                "required": ["host"],
-            },
-        },
-    }
-]
+TOOLS = [host_status_tool()]
 
 
 def main() -> None:
@@ -39,10 +26,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=16)
     args, client, model = connect(parser)
-    messages = [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": "Which of web-0 .. web-9 is unhealthy?"},
-    ]
+    messages = [{"role": "system", "content": SYSTEM}, FLEET_QUESTION]
     for turn in range(args.turns):
         out = client.chat.completions.create(
             model=model, messages=messages, tools=TOOLS, max_tokens=args.max_tokens, temperature=0

@@ -1,5 +1,6 @@
 """What every example starts with: its command line (``--base-url``, ``--api-key`` and its own
-options) and an OpenAI client of the running ``prefixserve serve`` with the model it serves.
+options) and an OpenAI client of the running ``prefixserve serve`` with the model it serves; and
+the fleet the two agent examples inspect (its question and its one tool).
 """
 
 from __future__ import annotations
@@ -23,3 +24,26 @@ def connect(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, OpenAI
     args = parser.parse_args()
     client = OpenAI(base_url=args.base_url, api_key=args.api_key)
     return args, client, client.models.list().data[0].id
+
+
+FLEET_QUESTION = {"role": "user", "content": "Which of web-0 .. web-9 is unhealthy?"}
+
+
+def host_status_tool(max_host_len: int | None = None) -> dict:
+    """The agents' one tool: ``host_status(host)``; ``max_host_len`` bounds the argument (a
+    grammar-constrained call then ends even from a random-weight model)."""
+    host: dict = {"type": "string"}
+    if max_host_len is not None:
+        host["maxLength"] = max_host_len
+    return {
+        "type": "function",
+        "function": {
+            "name": "host_status",
+            "description": "CPU load, memory and error rate of one host.",
+            "parameters": {
+                "type": "object",
+                "properties": {"host": host},
+                "required": ["host"],
+            },
+        },
+    }

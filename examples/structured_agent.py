@@ -14,23 +14,10 @@ from __future__ import annotations
 
 import json
 
-from common import connect, example_parser
+from common import FLEET_QUESTION, connect, example_parser, host_status_tool
 
 SYSTEM = "You are an operations agent. Inspect hosts with the tools, then report. " * 2
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "host_status",
-            "description": "CPU load and error rate of one host.",
-            "parameters": {
-                "type": "object",
-                "properties": {"host": {"type": "string", "maxLength": 12}},
-                "required": ["host"],
-            },
-        },
-    }
-]
+TOOLS = [host_status_tool(max_host_len=12)]
 REPORT = {
     "type": "object",
     "properties": {
@@ -45,10 +32,7 @@ def main() -> None:
     parser = example_parser(__doc__)
     parser.add_argument("--turns", type=int, default=4)
     args, client, model = connect(parser)
-    messages = [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": "Which of web-0 .. web-9 is unhealthy?"},
-    ]
+    messages = [{"role": "system", "content": SYSTEM}, FLEET_QUESTION]
     for turn in range(args.turns):
         reply = client.chat.completions.create(
             model=model, messages=messages, tools=TOOLS, tool_choice="required",

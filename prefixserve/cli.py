@@ -13,6 +13,8 @@ import logging
 import os
 import time
 
+from prefixserve.engine_args import add_engine_args, engine_kwargs
+
 FAULT_INJECT_ENV = "PREFIXSERVE_FAULT_INJECT"
 
 
@@ -41,73 +43,6 @@ def fault_injector(spec: str):
         engine.step = failing_step
 
     return hook
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", default=None, help="HF folder or hub id (default: built-in tiny-random)"
-    )
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument(
-        "--no-enable-jump-forward",
-        dest="enable_jump_forward",
-        action="store_false",
-        help="structured outputs: sample the text a grammar forces token by token",
-    )
-    p.add_argument("--scheduling-policy", choices=["fcfs", "prefix"], default="fcfs")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="no CUDA graphs: run decode steps eagerly too",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--kv-events-endpoint",
-        default=None,
-        help="publish prefix-cache changes (vLLM's KV events, ZMQ PUB) here, e.g. tcp://*:5557",
-    )
-    p.add_argument("--kv-events-replay-endpoint", default=None, help="ZMQ replay socket")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        model=_model(args),
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_jump_forward=args.enable_jump_forward,
-        scheduling_policy=args.scheduling_policy,
-        device=args.device,
-        dtype=args.dtype,
-        attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
-        seed=args.seed,
-        kv_events_endpoint=args.kv_events_endpoint,
-        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
-    )
-
-
-def _model(args: argparse.Namespace) -> str | None:
-    """``serve MODEL`` as ``vllm serve`` takes it, or ``--model`` (not both, unless equal)."""
-    positional = getattr(args, "model_tag", None)
-    if positional is not None and args.model is not None and positional != args.model:
-        raise SystemExit(f"prefixserve: give the model once, not {positional!r} and --model "
-                         f"{args.model!r}")  # fmt: skip
-    return positional if positional is not None else args.model
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -229,13 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prefixserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="offline demo of prefix sharing on the built-in model")
-    _add_engine_args(demo)
+    add_engine_args(demo)
     demo.add_argument("--max-tokens", type=int, default=16)
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     serve.add_argument(
         "model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model"
     )
-    _add_engine_args(serve)
+    add_engine_args(serve)
     _add_serve_args(serve)
     from prefixserve.scale_out.launcher import add_scale_out_args
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefixserve.errors import require
+from prefixserve.errors import InvalidArgumentError, require
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _BACKENDS = ("auto", "torch", "triton")
@@ -105,3 +105,17 @@ class EngineConfig:
             "device",
             f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}",
         )
+
+    def resolve_max_model_len(self, max_position_embeddings: int) -> int:
+        """The engine's context limit (prompt plus output) for a model with that many positions:
+        ``max_model_len``, or all of them when unset. Beyond them is refused. The one rule the
+        engine and the CUDA graphs (their block-table width and kernel split counts) share."""
+        if self.max_model_len is None:
+            return max_position_embeddings
+        if self.max_model_len > max_position_embeddings:
+            raise InvalidArgumentError(
+                f"max_model_len: {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings ({max_position_embeddings})",
+                param="max_model_len",
+            )
+        return self.max_model_len

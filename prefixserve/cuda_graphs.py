@@ -5,7 +5,9 @@ launches each), not by the GPU. At start-up ``capture`` records the whole forwar
 included, for a set of batch sizes over static input buffers; a pure-decode step copies its
 inputs into those buffers and replays the graph of the next captured size up::
 
-    static buffers (B = largest captured size, W = ceil(max_model_len / block_size) blocks)
+    static buffers (B = largest captured size, W = ceil(max_model_len / block_size) blocks;
+    ``build_attention_metadata`` of B decodes at position max_model_len - 1, each graph's
+    metadata its first rows: ``AttentionMetadata.first_decodes``)
       input_ids [B], positions [B]   rows n .. bs-1 (padding): stale, still valid ids/positions
       slot_mapping [B]               padding -1: writes no K/V
       seq_lens [B]                   padding 0: reads no K/V (its attention output is 0)
@@ -20,8 +22,9 @@ tables are at most W wide, and the step's attention plan takes no cascade. Prefi
 steps run eagerly.
 
 Host-side ints are fixed per graph: the metadata a graph captured says ``max_seq_len =
-max_model_len``, so the decode kernel's split count and tile size are ones valid for any context
-(a shorter one leaves some splits empty), and every grid depends on the batch size alone.
+max_model_len`` (the engine's, ``EngineConfig.resolve_max_model_len``), so the decode kernel's
+split count and tile size are ones valid for any context (a shorter one leaves some splits
+empty), and every grid depends on the batch size alone.
 
 Cascade. The graphs capture the plain decode kernel (their metadata has no prefix groups); a
 decode step whose plan takes cascade (``TritonAttentionBackend.plan``) runs eagerly. Cascade pays
@@ -48,7 +51,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from prefixserve.attention.metadata import AttentionMetadata
+from prefixserve.attention.metadata import AttentionMetadata, SeqSpan, build_attention_metadata
 
 if TYPE_CHECKING:
     from prefixserve.attention.backend import AttentionBackend
@@ -92,15 +95,16 @@ class CUDAGraphRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         largest, width = sizes[-1], -(-max_model_len // block_size)
+        row = SeqSpan([0] * width, max_model_len - 1, 1)  # a decode at the last position
         with torch.inference_mode():
-            kw = {"device": self.device}
-            self.input_ids = torch.zeros(largest, dtype=torch.int64, **kw)
-            self.positions = torch.zeros(largest, dtype=torch.int64, **kw)
-            self.slot_mapping = torch.full((largest,), -1, dtype=torch.int64, **kw)
-            self.seq_lens = torch.zeros(largest, dtype=torch.int32, **kw)
-            self.block_tables = torch.zeros(largest, width, dtype=torch.int32, **kw)
-            self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, **kw)
-            self.hidden = torch.zeros(largest, model.config.hidden_size, dtype=self.dtype, **kw)
+            self.positions, self.metadata = build_attention_metadata(
+                [row] * largest, block_size, self.device, plan_groups=False
+            )
+            self.metadata.slot_mapping.fill_(-1)  # padding rows write no K/V ...
+            self.metadata.seq_lens.zero_()  # ... and read none
+            self.input_ids = torch.zeros(largest, dtype=torch.int64, device=self.device)
+            hidden_size = model.config.hidden_size
+            self.hidden = torch.zeros(largest, hidden_size, dtype=self.dtype, device=self.device)
         self.graphs: dict[int, Callable[[], None]] = {}
 
     @classmethod
@@ -115,26 +119,14 @@ class CUDAGraphRunner:
         if backend.name != "triton":
             logger.info("CUDA graphs need attention_backend='triton'; decode steps run eagerly")
             return None
-        limit = model.config.max_position_embeddings
-        max_model_len = min(config.max_model_len or limit, limit)
+        max_model_len = config.resolve_max_model_len(model.config.max_position_embeddings)
         sizes = capture_sizes(config.max_num_seqs)
         triton = cast("TritonAttentionBackend", backend)
         return cls(model, triton, sizes, max_model_len, config.block_size)
 
     def _forward(self, bs: int, kv_caches: torch.Tensor) -> None:
         """The decode forward of ``bs`` rows over the static buffers, into ``hidden``."""
-        md = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs],
-            query_start_loc=self.query_start_loc[: bs + 1],
-            seq_lens=self.seq_lens[:bs],
-            block_tables=self.block_tables[:bs],
-            max_query_len=1,
-            max_seq_len=self.max_model_len,  # fixes split counts and tiles for any length
-            num_decodes=bs,
-            num_decode_tokens=bs,
-            query_lens_cpu=[1] * bs,
-            seq_lens_cpu=[self.max_model_len] * bs,
-        )
+        md = self.metadata.first_decodes(bs)  # max_seq_len = max_model_len: fixed splits, tiles
         self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], kv_caches, md)
 
     @torch.inference_mode()
@@ -198,17 +190,18 @@ class CUDAGraphRunner:
             keep is not None
             or md.num_decodes != n
             or n > self.sizes[-1]
-            or md.block_tables.shape[1] > self.block_tables.shape[1]
+            or md.block_tables.shape[1] > self.metadata.block_tables.shape[1]
             or self.backend.plan(md, kv_caches[0]).cascade is not None
         ):
             return None
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(md.slot_mapping)
-        self.slot_mapping[n:bs].fill_(-1)
-        self.seq_lens[:n].copy_(md.seq_lens)
-        self.seq_lens[n:bs].zero_()
-        self.block_tables[:n, : md.block_tables.shape[1]].copy_(md.block_tables)
+        static = self.metadata
+        static.slot_mapping[:n].copy_(md.slot_mapping)
+        static.slot_mapping[n:bs].fill_(-1)
+        static.seq_lens[:n].copy_(md.seq_lens)
+        static.seq_lens[n:bs].zero_()
+        static.block_tables[:n, : md.block_tables.shape[1]].copy_(md.block_tables)
         self.graphs[bs]()
         return self.hidden[:n]

@@ -91,7 +91,7 @@ class LLMEngine:
         self.model_config = self.runner.model_config
         self.model_name = config.served_model_name or self.runner.model_name
         self.tokenizer = load_tokenizer(config.tokenizer or config.model, revision=config.revision)
-        self.max_model_len = self._resolve_max_model_len()
+        self.max_model_len = config.resolve_max_model_len(self.model_config.max_position_embeddings)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -143,18 +143,6 @@ class LLMEngine:
         self.structured_outputs.shutdown()
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.close()
-
-    def _resolve_max_model_len(self) -> int:
-        limit = self.model_config.max_position_embeddings
-        if self.config.max_model_len is None:
-            return limit
-        if self.config.max_model_len > limit:
-            raise InvalidArgumentError(
-                f"max_model_len: {self.config.max_model_len} exceeds the model's "
-                f"max_position_embeddings ({limit})",
-                param="max_model_len",
-            )
-        return self.config.max_model_len
 
     # ---- requests ----------------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
-"""Small seeded random Hugging Face checkpoints (safetensors + the built-in tokenizer) for tests.
+"""Small seeded random Hugging Face checkpoints (safetensors + the built-in tokenizer) for tests,
+and the transformers reference model to compare against.
 
-Each folder works with ``LLM(model=folder)`` and with ``AutoModelForCausalLM.from_pretrained``.
-Weights use ``initializer_range`` 0.1 and non-trivial norm weights and biases, so greedy argmax
-margins are not razor-thin and a mis-loaded weight shows up in the logits.
+The recipe is ``prefixserve.models.random_checkpoint`` (shared with the bench model); here are
+the four tiny architectures, at ``initializer_range`` 0.1.
 """
 
 from __future__ import annotations
@@ -13,24 +13,20 @@ from pathlib import Path
 import torch
 import transformers
 
-from prefixserve.models.builtin import builtin_tokenizer
+from prefixserve.models.random_checkpoint import tokenizer_fields, write_random_checkpoint
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 
-def _hf_config(
-    arch: str, vocab_size: int, bos: int, eos: list[int]
-) -> transformers.PretrainedConfig:
+def _hf_config(arch: str, max_position_embeddings: int) -> transformers.PretrainedConfig:
     common = {
-        "vocab_size": vocab_size,
+        **tokenizer_fields(),
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
-        "max_position_embeddings": 256,
+        "max_position_embeddings": max_position_embeddings,
         "initializer_range": 0.1,
-        "bos_token_id": bos,
-        "eos_token_id": eos,
         "rms_norm_eps": 1e-6,
     }
     if arch == "llama":  # GQA 2, untied, llama3 rope scaling that bites within 256 positions
@@ -72,24 +68,8 @@ def make_checkpoint(
 
     ``max_shard_size`` (e.g. ``"40KB"``) splits the weights into shards with an index file.
     """
-    folder = Path(folder)
-    tok = builtin_tokenizer()
-    eos = [tok.convert_tokens_to_ids(t) for t in ("<|end_of_text|>", "<|im_end|>")]
-    config = _hf_config(arch, len(tok), tok.bos_token_id, eos)
-    config.max_position_embeddings = max_position_embeddings
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    model.save_pretrained(folder, **kwargs)
-    tok.save_pretrained(folder)
-    return folder
+    config = _hf_config(arch, max_position_embeddings)
+    return write_random_checkpoint(config, folder, seed=seed, max_shard_size=max_shard_size)
 
 
 def load_hf_model(folder: Path | str) -> torch.nn.Module:

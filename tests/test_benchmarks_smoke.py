@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -46,3 +47,18 @@ def test_kv_waste_quick(tmp_path):
     report = json.loads((tmp_path / "kv_waste.json").read_text())
     assert len(report["rows"]) == len(rows)
     assert (tmp_path / "kv_waste.png").stat().st_size > 0
+
+
+def test_parse_sizes_adds_each_size_and_quick_replaces_them_all():
+    def parse(argv):
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--quick", action="store_true")
+        return workloads.parse_sizes(
+            parser, argv, {"system_len": (1024, 128), "batch_sizes": ([32], [4])}
+        )
+
+    args = parse(["--system-len", "7", "--batch-sizes", "1", "2"])
+    assert args.system_len == 7 and args.batch_sizes == [1, 2]
+    assert parse([]).system_len == 1024 and parse([]).batch_sizes == [32]
+    quick = parse(["--quick", "--system-len", "7"])
+    assert quick.system_len == 128 and quick.batch_sizes == [4]  # quick wins, as documented

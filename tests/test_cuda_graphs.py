@@ -68,6 +68,34 @@ def engineless(tmp_path):
     return Engineless(make_checkpoint("qwen3", tmp_path / "qwen3"))
 
 
+def test_first_decodes_views_the_leading_decode_rows():
+    spans = [SeqSpan([3, 4], 9, 1), SeqSpan([5], 2, 1), SeqSpan([6, 7], 4, 5)]
+    _, md = build_attention_metadata(spans, BLOCK, "cpu")
+    head = md.first_decodes(2)
+    assert head.num_seqs == head.num_decodes == head.num_decode_tokens == 2
+    assert head.seq_lens_cpu == [10, 3] and head.max_seq_len == 10 and head.max_query_len == 1
+    assert head.query_lens_cpu == [1, 1] and head.prefix_groups == []
+    assert head.slot_mapping.data_ptr() == md.slot_mapping.data_ptr()  # views, not copies
+    assert torch.equal(head.block_tables, md.block_tables[:2])
+    assert head.query_start_loc.tolist() == [0, 1, 2]
+    with pytest.raises(AssertionError):
+        md.first_decodes(3)  # the third row is a prefill chunk
+
+
+@torch.inference_mode()
+def test_static_metadata_comes_from_the_builder_at_max_model_len(engineless):
+    runner = CUDAGraphRunner(
+        engineless.model, engineless.backend, [1, 2, 4], max_model_len=100, block_size=BLOCK
+    )
+    md = runner.metadata
+    assert md.seq_lens_cpu == [100] * 4 and md.max_seq_len == 100 and md.num_decodes == 4
+    assert md.block_tables.shape == (4, 13)  # ceil(100 / 8) blocks: any table fits
+    assert (md.slot_mapping == -1).all()  # padding rows write nothing ...
+    assert (md.seq_lens == 0).all()  # ... and read nothing
+    assert runner.positions.tolist() == [99] * 4  # valid positions for padding rows
+    assert runner.metadata.first_decodes(2).max_seq_len == 100  # the split count any context takes
+
+
 @torch.inference_mode()
 def test_padded_replay_matches_eager(engineless):
     e = engineless

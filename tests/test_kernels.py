@@ -25,7 +25,7 @@ from prefixserve.kernels import (
     store_kv_cache,
 )
 
-from prefixserve.attention.metadata import AttentionMetadata
+from prefixserve.attention.metadata import AttentionMetadata, SeqSpan, build_attention_metadata
 from prefixserve.attention.triton_backend import TritonAttentionBackend
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -104,19 +104,14 @@ class PagedBatch:
             + pos % self.block_size
         )
 
-    def metadata(self, num_decodes: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping.to(DEVICE),
-            query_start_loc=self.query_start_loc.to(DEVICE),
-            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32, device=DEVICE),
-            block_tables=self.block_tables.to(DEVICE),
-            max_query_len=max(self.query_lens),
-            max_seq_len=max(self.seq_lens),
-            num_decodes=num_decodes,
-            num_decode_tokens=num_decodes,
-            query_lens_cpu=list(self.query_lens),
-            seq_lens_cpu=list(self.seq_lens),
-        )
+    def metadata(self) -> AttentionMetadata:
+        """The step's metadata, from the engine's builder (its decodes: the leading one-token
+        queries; no prefix groups)."""
+        spans = [
+            SeqSpan(self.block_tables[i, : -(-n // self.block_size)].tolist(), n - q, q)
+            for i, (n, q) in enumerate(zip(self.seq_lens, self.query_lens))
+        ]
+        return build_attention_metadata(spans, self.block_size, DEVICE, plan_groups=False)[1]
 
     def reference(self, scale: float) -> torch.Tensor:
         """Dense causal attention of every query token over its sequence's whole context (fp64)."""
@@ -262,12 +257,14 @@ def test_backend_forward_mixed_batch(
     )
     scale = head_dim**-0.5
     kv = batch.kv_cache.to(DEVICE, dtype)
+    md = batch.metadata()
+    assert md.num_decodes == 3
     out = TritonAttentionBackend().forward(
         batch.query.to(DEVICE, dtype),
         batch.key.to(DEVICE, dtype),
         batch.value.to(DEVICE, dtype),
         kv,
-        batch.metadata(num_decodes=3),
+        md,
         scale,
     )
     assert out.shape == batch.query.shape and out.dtype == dtype

@@ -62,6 +62,24 @@ class AttentionMetadata:
     def query_start_loc_cpu(self) -> list[int]:
         return [0, *itertools.accumulate(self.query_lens_cpu)]
 
+    def first_decodes(self, n: int) -> AttentionMetadata:
+        """The metadata of this batch's first ``n`` sequences, which must be decodes: views of
+        these tensors, host figures of those rows, no prefix groups. A CUDA graph of ``n`` rows
+        captures it over static buffers built once for the largest batch."""
+        assert 1 <= n <= self.num_decodes, (n, self.num_decodes)
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:n],
+            query_start_loc=self.query_start_loc[: n + 1],
+            seq_lens=self.seq_lens[:n],
+            block_tables=self.block_tables[:n],
+            max_query_len=1,
+            max_seq_len=max(self.seq_lens_cpu[:n]),
+            num_decodes=n,
+            num_decode_tokens=n,
+            query_lens_cpu=self.query_lens_cpu[:n],
+            seq_lens_cpu=self.seq_lens_cpu[:n],
+        )
+
 
 class SeqSpan(NamedTuple):
     """One sequence's part of a step: ``num_new_tokens`` query tokens after

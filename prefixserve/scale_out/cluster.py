@@ -2,8 +2,9 @@
 
 Each replica reports, through Ray Serve's ``record_routing_stats`` (every
 ``request_routing_stats_period_s``), its ``/stats`` figures and its Prometheus text; the engine
-deployment's router in the ingress process holds the latest reports and its own decisions
-(``registry.router_for``). Nothing here calls a replica, so a scrape costs no replica time.
+deployment's router in the ingress process holds the latest reports and its own decisions (the
+ingress passes a function that finds it: ``ray_private.request_router_of`` on its handle).
+Nothing here calls a replica, so a scrape costs no replica time.
 
 - /metrics: every replica's prefixserve metrics with a ``replica`` label, then the router's
   ``prefixserve_router_requests_total{replica, reason}``,
@@ -17,7 +18,7 @@ deployment's router in the ingress process holds the latest reports and its own 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from prefixserve.scale_out.protocol import ReplicaReport
-from prefixserve.scale_out.ray_router import ReportingRouter
-from prefixserve.scale_out.registry import router_for
+from prefixserve.scale_out.reporting_router import ReportingRouter
 
 _PAGE = Path(__file__).parent / "cluster_dashboard.html"
 _SUMMED = (
@@ -42,16 +42,17 @@ PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class ClusterView:
-    """Reads the engine deployment's router in this process (None until its first request)."""
+    """Reads the engine deployment's router in this process: ``router()`` returns it, or None
+    until it exists (then every figure is empty)."""
 
     def __init__(
-        self, app_name: str, deployment_name: str, model_name: str, router_name: str
+        self,
+        router: Callable[[], ReportingRouter | None],
+        model_name: str,
+        router_name: str,
     ) -> None:
-        self.app_name, self.deployment_name = app_name, deployment_name
+        self.router = router
         self.model_name, self.router_name = model_name, router_name
-
-    def router(self) -> ReportingRouter | None:
-        return router_for(self.app_name, self.deployment_name)
 
     def reports(self) -> dict[str, ReplicaReport]:
         router = self.router()

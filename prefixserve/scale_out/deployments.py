@@ -36,6 +36,7 @@ from prefixserve.errors import InvalidArgumentError, PrefixServeError, require
 from prefixserve.preprocessor import StepLimits
 from prefixserve.scale_out.cluster import ClusterView, cluster_router
 from prefixserve.scale_out.protocol import ACCEPTED, EngineRequest, KVEventsEndpoint, ReplicaReport
+from prefixserve.scale_out.ray_private import request_router_of
 from prefixserve.scale_out.ray_router import request_router_config
 from prefixserve.scale_out.remote_engine import EngineInfo, RemoteEngine
 from prefixserve.scale_out.router import ROUTERS, RouterConfig
@@ -184,7 +185,7 @@ class Ingress:
         self.config = server_config
         self.engine = RemoteEngine(replicas, tokenizer, info, server_config.max_waiting_requests)
         names = server_config.served_model_names or [info.model_name]
-        self.view = ClusterView(scale.app_name, ENGINE_DEPLOYMENT, names[0], scale.router)
+        self.view = ClusterView(lambda: request_router_of(replicas), names[0], scale.router)
         self.fastapi_app = None
 
     def __serve_build_asgi_app__(self):

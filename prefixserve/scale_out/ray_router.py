@@ -11,9 +11,9 @@ ended (``on_request_routed``, ``on_request_completed``)::
     choose_replicas ──▶ PrefixRouterState.route (ranks, reserves the first) ──▶ [[best], ...]
     on_request_routed / on_request_completed ──▶ predicted blocks, load, decision counters
 
-All three routers register themselves under their deployment in this process
-(``registry.router_for``), so the ingress can read the replicas' reports (stats, metrics) and
-the routing decisions without a call to any replica.
+All three mix in ``ReportingRouter``, so the ingress, which holds the deployment handle that
+built its router (``ray_private.request_router_of``), reads the replicas' reports (stats,
+metrics) and the routing decisions without a call to any replica.
 
 Ray pickles a router class with its whole module by value (``RequestRouterConfig``), so this
 module keeps no state of its own and reaches shared things through imported modules.
@@ -22,17 +22,16 @@ module keeps no state of its own and reaches shared things through imported modu
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from typing import Any
 
-from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from prefixserve.errors import InvalidArgumentError
-from prefixserve.scale_out import registry
 from prefixserve.scale_out.event_follower import EventFollower
-from prefixserve.scale_out.protocol import EngineRequest, ReplicaReport
+from prefixserve.scale_out.protocol import ReplicaReport
+from prefixserve.scale_out.ray_private import PowerOfTwoChoicesRequestRouter
+from prefixserve.scale_out.reporting_router import ReportingRouter, engine_request
 from prefixserve.scale_out.router import (
     REASONS,
     ROUTERS,
@@ -42,47 +41,6 @@ from prefixserve.scale_out.router import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-def _engine_request(pending_request: PendingRequest | None) -> EngineRequest | None:
-    if pending_request is None or not pending_request.args:
-        return None
-    arg = pending_request.args[0]
-    return arg if isinstance(arg, EngineRequest) else None
-
-
-class ReportingRouter:
-    """Mixin of every engine router: registration, replica reports, per-replica request counts.
-
-    ``reason`` labels the requests a baseline router sends (it gives none of its own).
-    """
-
-    reason = "other"
-
-    def _register(self) -> None:
-        self._routed: dict[str, Counter[str]] = {}
-        registry.register(self._deployment_id.app_name, self._deployment_id.name, self)
-
-    def replica_reports(self) -> dict[str, ReplicaReport | None]:
-        """The latest report of every running replica, by replica id (None before its first)."""
-        return {
-            rid.unique_id: ReplicaReport.from_dict(replica.routing_stats)
-            for rid, replica in self.curr_replicas.items()
-        }
-
-    def decisions(self) -> dict[str, dict[str, Any]]:
-        """Per replica: requests by reason (and, for the prefix router, load and predicted hits)."""
-        return {
-            replica: {"requests": dict(counts), "load_tokens": 0, "predicted_hit_tokens": 0}
-            for replica, counts in self._routed.items()
-        }
-
-    def on_request_routed(
-        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
-    ) -> None:
-        if _engine_request(pending_request) is not None:
-            self._routed.setdefault(replica_id.unique_id, Counter())[self.reason] += 1
-        super().on_request_routed(pending_request, replica_id, result)
 
 
 class PrefixAwareRequestRouter(ReportingRouter, RequestRouter):
@@ -103,7 +61,7 @@ class PrefixAwareRequestRouter(ReportingRouter, RequestRouter):
             RouterConfig(imbalance_threshold, load_weight, predict_ttl_s)
         )
         self._followers: dict[str, EventFollower] = {}
-        self._register()
+        super().initialize_state()
 
     # ---- replicas ------------------------------------------------------------------------------
 
@@ -146,7 +104,7 @@ class PrefixAwareRequestRouter(ReportingRouter, RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        request = _engine_request(pending_request)
+        request = engine_request(pending_request)
         if request is None:
             return [candidate_replicas]
         prompt = request.prompt_token_ids
@@ -179,10 +137,6 @@ class MeasuredPow2Router(ReportingRouter, PowerOfTwoChoicesRequestRouter):
     """Ray's default router, unchanged, registered for the ingress's metrics."""
 
     reason = "pow2"
-
-    def initialize_state(self, **kwargs: Any) -> None:
-        super().initialize_state(**kwargs)
-        self._register()
 
 
 def request_router_config(
@@ -221,6 +175,5 @@ __all__ = [
     "ROUTERS",
     "MeasuredPow2Router",
     "PrefixAwareRequestRouter",
-    "ReportingRouter",
     "request_router_config",
 ]

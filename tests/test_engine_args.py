@@ -1,0 +1,44 @@
+"""engine_args: every engine option reaches EngineConfig, and the model is given once."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from prefixserve.config import EngineConfig
+from prefixserve.engine_args import add_engine_args, engine_kwargs
+
+
+def _parse(*argv: str, positional: bool = False) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    if positional:
+        parser.add_argument("model_tag", nargs="?", default=None)
+    add_engine_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_every_key_is_an_engine_config_field_and_the_defaults_build_one() -> None:
+    kwargs = engine_kwargs(_parse())
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert set(kwargs) <= fields
+    assert kwargs["enable_prefix_caching"] and kwargs["enable_jump_forward"]
+    assert kwargs["model"] is None and kwargs["block_size"] == 16
+
+
+def test_options_are_passed_through() -> None:
+    kwargs = engine_kwargs(
+        _parse("--model", "m", "--block-size", "8", "--no-enable-prefix-caching",
+               "--max-model-len", "512", "--enforce-eager", "--scheduling-policy", "prefix")
+    )  # fmt: skip
+    assert kwargs["model"] == "m" and kwargs["block_size"] == 8
+    assert kwargs["enable_prefix_caching"] is False and kwargs["enforce_eager"] is True
+    assert kwargs["max_model_len"] == 512 and kwargs["scheduling_policy"] == "prefix"
+
+
+def test_the_model_is_given_once_positionally_or_by_option() -> None:
+    assert engine_kwargs(_parse("a", positional=True))["model"] == "a"
+    assert engine_kwargs(_parse("a", "--model", "a", positional=True))["model"] == "a"
+    with pytest.raises(SystemExit, match="give the model once"):
+        engine_kwargs(_parse("a", "--model", "b", positional=True))
