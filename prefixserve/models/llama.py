@@ -343,7 +343,9 @@ class LlamaForCausalLM(nn.Module):
         """Copy Hugging Face named tensors into the model (any dtype/device; cast on copy).
 
         Names are HF's (``model.layers.0.self_attn.q_proj.weight``), or already fused
-        (``...qkv_proj.weight``). Raises ``ModelLoadError`` on an unknown name, a shape mismatch,
+        (``...qkv_proj.weight``); Qwen3-MoE experts one at a time (``...mlp.experts.3.up_proj
+        .weight``, a shard ``(expert, half)`` of the stacked ``...mlp.experts.gate_up_proj``) or
+        already stacked. Raises ``ModelLoadError`` on an unknown name, a shape mismatch,
         or any parameter (or fused shard) that no tensor filled. Rotary ``inv_freq`` buffers are
         ignored, and so is ``lm_head.weight`` when the embeddings are tied.
         """
@@ -377,7 +379,8 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def _map_name(name: str) -> tuple[str, int | tuple[int, int] | None]:
-        """HF name -> (our parameter name, shard index within a fused weight or None)."""
+        """HF name -> (our parameter name, shard index within a fused weight, ``(expert, half)``
+        within stacked experts, or None)."""
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             return name.removesuffix(".weight"), None
         expert = map_expert_name(name)  # Qwen3-MoE: one expert's projection

@@ -29,7 +29,7 @@ def select_experts(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[T, E]`` logits -> (``topk_weights [T, top_k]`` in the logits' dtype, ``topk_ids``
     ``[T, top_k]`` int64), as transformers routes: a float32 softmax over all experts, the
-    ``top_k`` largest probabilities (ties to the lower id), divided by their sum when
+    ``top_k`` largest probabilities (``torch.topk``, as transformers picks them), divided by their sum when
     ``renormalize``, cast back to the logits' dtype."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
