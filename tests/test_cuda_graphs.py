@@ -33,7 +33,7 @@ def test_capture_sizes():
 
 
 class Engineless:
-    """A tiny qwen3 on the Triton backend with its paged cache, driven step by step."""
+    """A tiny qwen3 (or qwen3_moe) on the Triton backend with its paged cache, driven step by step."""
 
     def __init__(self, folder) -> None:
         self.backend = TritonAttentionBackend("cpu")
@@ -63,9 +63,9 @@ class Engineless:
         return tables
 
 
-@pytest.fixture()
-def engineless(tmp_path):
-    return Engineless(make_checkpoint("qwen3", tmp_path / "qwen3"))
+@pytest.fixture(params=["qwen3", "qwen3_moe"])  # qwen3_moe: the fused-MoE kernel in the graph
+def engineless(request, tmp_path):
+    return Engineless(make_checkpoint(request.param, tmp_path / request.param))
 
 
 @torch.inference_mode()
