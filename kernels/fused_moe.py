@@ -127,7 +127,9 @@ def _down_kernel(
             mask=real[:, None] & mask_k[None, :],
             other=0.0,
         ).to(DOT_DTYPE)
-        b = tl.load(w + offs_k[:, None] * stride_wk, mask=mask_k[:, None] & mask_n[None, :])
+        b = tl.load(
+            w + offs_k[:, None] * stride_wk, mask=mask_k[:, None] & mask_n[None, :], other=0.0
+        )
         acc += tl.dot(a, b.to(DOT_DTYPE), input_precision=PRECISION)
     weight = tl.load(topk_weights_ptr + rows, mask=real, other=0.0).to(tl.float32)
     tl.store(

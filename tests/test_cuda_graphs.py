@@ -179,6 +179,21 @@ def test_graphs_give_the_eager_greedy_tokens(qwen3, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_moe_graphs_give_the_eager_greedy_tokens(tmp_path, monkeypatch):
+    """Qwen3-MoE decode steps replay with the fused-MoE kernel (its expert alignment included)
+    captured, padded batches too."""
+    folder = make_checkpoint("qwen3_moe", tmp_path / "qwen3_moe")
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(11, seed=4)
+    ref = _llm(folder, True).generate(prompts, params, use_tqdm=False)
+    llm = _llm(folder, False)
+    replays = _replays(llm, monkeypatch)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert 11 in replays
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_prompts", [3, 5, 6, 9, 13])
 def test_batch_sizes_between_captured_sizes(qwen3, monkeypatch, num_prompts):
     """Captured sizes 1, 2, 4, 8, 16: every batch here pads (or, at its tail, lands exactly)."""
