@@ -1,4 +1,4 @@
-"""Triton kernels over the paged KV cache (imported as ``prefixserve.kernels``).
+"""Triton kernels over the paged KV cache, and the fused MoE (imported as ``prefixserve.kernels``).
 
 On CUDA they compile for the GPU; on CPU they run through Triton's interpreter, which Triton
 selects when a kernel is defined, so ``TRITON_INTERPRET=1`` must be in the environment before this
@@ -16,6 +16,7 @@ from prefixserve.kernels.cascade_attention import (
 )
 from prefixserve.kernels.decode_attention import decode_attention, default_num_splits
 from prefixserve.kernels.extend_attention import extend_attention
+from prefixserve.kernels.fused_moe import fused_moe
 from prefixserve.kernels.kv_store import store_kv_cache
 from prefixserve.kernels.merge_attn_states import merge_attn_states
 
@@ -36,6 +37,7 @@ __all__ = [
     "decode_attention",
     "default_num_splits",
     "extend_attention",
+    "fused_moe",
     "interpreter_enabled",
     "merge_attn_states",
     "shared_prefix_attention",

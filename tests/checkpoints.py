@@ -15,7 +15,7 @@ import transformers
 
 from prefixserve.models.random_checkpoint import tokenizer_fields, write_random_checkpoint
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
 
 
 def _hf_config(arch: str, max_position_embeddings: int) -> transformers.PretrainedConfig:
@@ -48,6 +48,18 @@ def _hf_config(arch: str, max_position_embeddings: int) -> transformers.Pretrain
     if arch == "qwen3":  # q/k norm, head_dim != hidden / heads
         return transformers.Qwen3Config(
             **common, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False
+        )
+    if arch == "qwen3_moe":  # 8 experts top-2 renormalised; layer 1 of 3 keeps a dense MLP
+        return transformers.Qwen3MoeConfig(
+            **{**common, "num_hidden_layers": 3},
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=False,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
         )
     if arch == "mistral":  # GQA 4
         return transformers.MistralConfig(

@@ -33,7 +33,7 @@ def test_capture_sizes():
 
 
 class Engineless:
-    """A tiny qwen3 on the Triton backend with its paged cache, driven step by step."""
+    """A tiny qwen3 (or qwen3_moe) on the Triton backend with its paged cache, driven step by step."""
 
     def __init__(self, folder) -> None:
         self.backend = TritonAttentionBackend("cpu")
@@ -63,9 +63,9 @@ class Engineless:
         return tables
 
 
-@pytest.fixture()
-def engineless(tmp_path):
-    return Engineless(make_checkpoint("qwen3", tmp_path / "qwen3"))
+@pytest.fixture(params=["qwen3", "qwen3_moe"])  # qwen3_moe: the fused-MoE kernel in the graph
+def engineless(request, tmp_path):
+    return Engineless(make_checkpoint(request.param, tmp_path / request.param))
 
 
 def test_first_decodes_views_the_leading_decode_rows():
@@ -204,6 +204,21 @@ def test_graphs_give_the_eager_greedy_tokens(qwen3, monkeypatch):
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
     assert replays and max(replays) == 12
+
+
+@pytest.mark.gpu
+def test_moe_graphs_give_the_eager_greedy_tokens(tmp_path, monkeypatch):
+    """Qwen3-MoE decode steps replay with the fused-MoE kernel (its expert alignment included)
+    captured, padded batches too."""
+    folder = make_checkpoint("qwen3_moe", tmp_path / "qwen3_moe")
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(11, seed=4)
+    ref = _llm(folder, True).generate(prompts, params, use_tqdm=False)
+    llm = _llm(folder, False)
+    replays = _replays(llm, monkeypatch)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert 11 in replays
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ PROMPT_LENS = (1, 15, 16, 17, 31, 32, 33, 50)
 MAX_NEW = 12
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral", "qwen3_moe"])
 def arch_case(request, tmp_path_factory):
     folder = make_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
     return folder, load_hf_model(folder)

@@ -86,7 +86,7 @@ def test_preempted_parallel_sampling_gives_the_same_results():
 # ---- beam search ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3_moe"])
 def beam_case(request, tmp_path_factory):
     folder = make_checkpoint(
         request.param, tmp_path_factory.mktemp(f"beam-{request.param}"), seed=3

@@ -9,7 +9,7 @@ from checkpoints import make_checkpoint
 from prefixserve import LLM, SamplingParams
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
 def test_triton_engine_matches_torch_engine(arch, tmp_path):
     folder = str(make_checkpoint(arch, tmp_path / arch))
     shared = list(range(40, 40 + 20))

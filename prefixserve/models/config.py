@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 # Keys each rope type needs beyond ``rope_type`` (``original_max_position_embeddings`` is filled
 # from ``max_position_embeddings`` when absent, as transformers does).
@@ -63,6 +64,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     dtype: torch.dtype | None = None  # the checkpoint's dtype, None when config.json omits it
+    moe: MoEConfig | None = None  # Qwen3-MoE: which layers route to experts, and how
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
@@ -102,11 +104,12 @@ class ModelConfig:
                 attention_bias=qwen2 or bias,
                 o_proj_bias=bias and not qwen2,
                 mlp_bias=bool(d.get("mlp_bias", False)),
-                qk_norm=arch == "Qwen3ForCausalLM",
+                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
                 hidden_act=act,
                 eos_token_ids=[] if eos is None else [int(e) for e in _as_list(eos)],
                 bos_token_id=d.get("bos_token_id"),
                 dtype=_DTYPES.get(str(d.get("dtype") or d.get("torch_dtype"))),
+                moe=_parse_moe(d) if arch == "Qwen3MoeForCausalLM" else None,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(f"config.json is missing or has a malformed field: {e!r}") from e
@@ -115,6 +118,50 @@ class ModelConfig:
                 f"num_attention_heads {heads} is not a multiple of {kv_heads} kv heads"
             )
         return cfg
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The sparse MLP of Qwen3-MoE: ``num_experts`` SwiGLU experts of width ``intermediate_size``.
+
+    Each token's router logits go through a float32 softmax; the ``top_k`` largest probabilities
+    pick its experts and weigh their outputs, renormalised to sum to 1 when ``norm_topk_prob``.
+    There is no shared expert. Invariants: ``1 <= top_k <= num_experts``; ``layers`` holds the
+    indices of the decoder layers whose MLP is this block (sorted); every other layer keeps the
+    dense MLP of ``ModelConfig.intermediate_size``.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    layers: tuple[int, ...]
+
+
+def _parse_moe(d: dict[str, Any]) -> MoEConfig | None:
+    """Qwen3-MoE's expert fields, with transformers' defaults; layer ``i`` is sparse unless it is
+    in ``mlp_only_layers``, when ``(i + 1) % decoder_sparse_step == 0`` (as transformers decides).
+    The expert count is ``num_experts`` (Hub checkpoints) or ``num_local_experts`` (what
+    transformers v5 writes). None when the model has no experts at all."""
+    num_experts = int(d.get("num_experts", d.get("num_local_experts", 128)))
+    top_k = int(d.get("num_experts_per_tok", 8))
+    step, dense = int(d.get("decoder_sparse_step", 1)), set(d.get("mlp_only_layers") or [])
+    if num_experts <= 0:
+        return None
+    if not 1 <= top_k <= num_experts:
+        raise ModelLoadError(f"num_experts_per_tok {top_k} is not in 1..num_experts {num_experts}")
+    if step < 1:
+        raise ModelLoadError(f"decoder_sparse_step must be at least 1, got {step}")
+    layers = tuple(
+        i for i in range(int(d["num_hidden_layers"])) if i not in dense and (i + 1) % step == 0
+    )
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=int(d.get("moe_intermediate_size", 768)),
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        layers=layers,
+    )
 
 
 def _as_list(x: Any) -> list[Any]:

@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) in one model, driven by ``ModelConfig``.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE) in one model, driven by
+``ModelConfig``; Qwen3-MoE's sparse layers swap the MLP for ``moe.SparseMoeBlock``.
 
 The model runs one forward over a flattened batch (see ``prefixserve.attention.backend``): every
 tensor below is indexed by token, ``T`` tokens of all scheduled sequences concatenated, and only
@@ -26,6 +27,12 @@ from prefixserve.attention.backend import AttentionBackend
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.errors import ModelLoadError
 from prefixserve.models.config import ModelConfig
+from prefixserve.models.moe import (
+    SparseMoeBlock,
+    expert_shard_view,
+    expert_shards,
+    map_expert_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -234,12 +241,22 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        layer_idx: int,
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, rotary, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp: MLP | SparseMoeBlock
+        if config.moe is not None and layer_idx in config.moe.layers:  # Qwen3-MoE sparse layer
+            self.mlp = SparseMoeBlock(config.moe, config.hidden_size, backend.name == "triton")
+        else:
+            self.mlp = MLP(config)
 
     def forward(
         self,
@@ -262,7 +279,8 @@ class LlamaModel(nn.Module):
         )
         self.rotary_emb = RotaryEmbedding(config)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, self.rotary_emb, backend) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, self.rotary_emb, backend, i)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -325,13 +343,15 @@ class LlamaForCausalLM(nn.Module):
         """Copy Hugging Face named tensors into the model (any dtype/device; cast on copy).
 
         Names are HF's (``model.layers.0.self_attn.q_proj.weight``), or already fused
-        (``...qkv_proj.weight``). Raises ``ModelLoadError`` on an unknown name, a shape mismatch,
+        (``...qkv_proj.weight``); Qwen3-MoE experts one at a time (``...mlp.experts.3.up_proj
+        .weight``, a shard ``(expert, half)`` of the stacked ``...mlp.experts.gate_up_proj``) or
+        already stacked. Raises ``ModelLoadError`` on an unknown name, a shape mismatch,
         or any parameter (or fused shard) that no tensor filled. Rotary ``inv_freq`` buffers are
         ignored, and so is ``lm_head.weight`` when the embeddings are tied.
         """
         params = dict(self.named_parameters())
         expected = {(name, None) for name in params}
-        loaded: set[tuple[str, int | None]] = set()
+        loaded: set[tuple[str, int | tuple[int, int] | None]] = set()
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
@@ -347,11 +367,9 @@ class LlamaForCausalLM(nn.Module):
                 )
             dest.copy_(tensor)
             loaded.add((target, shard))
-        for target, shard in list(loaded):
-            if shard is not None:
-                n = 3 if "qkv_proj" in target else 2
-                if all((target, s) in loaded for s in range(n)):
-                    loaded.add((target, None))
+        for target in {t for t, shard in loaded if shard is not None}:
+            if all((target, s) in loaded for s in self._shards(params[target], target)):
+                loaded.add((target, None))
         missing = sorted(n for n, _ in expected - loaded)
         if missing:
             raise ModelLoadError(
@@ -360,19 +378,34 @@ class LlamaForCausalLM(nn.Module):
         logger.debug("loaded %d parameters", len(params))
 
     @staticmethod
-    def _map_name(name: str) -> tuple[str, int | None]:
-        """HF name -> (our parameter name, shard index within a fused weight or None)."""
+    def _map_name(name: str) -> tuple[str, int | tuple[int, int] | None]:
+        """HF name -> (our parameter name, shard index within a fused weight, ``(expert, half)``
+        within stacked experts, or None)."""
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             return name.removesuffix(".weight"), None
+        expert = map_expert_name(name)  # Qwen3-MoE: one expert's projection
+        if expert is not None:
+            return expert
         parts = name.split(".")
         if len(parts) >= 2 and parts[-2] in _FUSED:
             fused, shard = _FUSED[parts[-2]]
             return ".".join([*parts[:-2], fused, parts[-1]]), shard
         return name, None
 
-    def _shard_view(self, param: torch.Tensor, name: str, shard: int | None) -> torch.Tensor:
+    @staticmethod
+    def _shards(param: torch.Tensor, name: str) -> list[int | tuple[int, int]] | range:
+        """Every shard that fills the fused or stacked parameter ``name``."""
+        if name.endswith(("gate_up_proj", "down_proj")):  # stacked experts (no ``.weight``)
+            return expert_shards(param, name)
+        return range(3 if "qkv_proj" in name else 2)
+
+    def _shard_view(
+        self, param: torch.Tensor, name: str, shard: int | tuple[int, int] | None
+    ) -> torch.Tensor:
         if shard is None:
             return param
+        if isinstance(shard, tuple):
+            return expert_shard_view(param, name, shard)
         if "qkv_proj" in name:
             attn = self.model.layers[0].self_attn
             sizes = [attn.q_size, attn.kv_size, attn.kv_size]
