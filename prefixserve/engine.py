@@ -103,7 +103,9 @@ class LLMEngine:
             self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
         )
         self._structured_requests: Counter[str] = Counter()
-        self.sampling_step = SamplingStep(Sampler(), self.eos_token_ids, self.structured_outputs)
+        self.sampling_step = SamplingStep(
+            Sampler(), self.eos_token_ids, self.structured_outputs, self.tokenizer
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.step_times = StepTimes()
         self.num_steps = 0
