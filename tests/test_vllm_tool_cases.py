@@ -338,6 +338,19 @@ def test_beam_search_honours_stop_over_http(server):
                                                        "seed": 1}).json()  # fmt: skip
     assert all(stop not in c["text"] for c in out["choices"])
     assert any(c["stop_reason"] == stop and c["finish_reason"] == "stop" for c in out["choices"])
+    kept = httpx.post(f"{server}/v1/completions", json={
+        "model": MODEL, **body, "stop": [stop], "include_stop_str_in_output": True}).json()  # fmt: skip
+    ended = [c["text"] for c in kept["choices"] if c["stop_reason"] == stop]
+    assert ended and all(t.endswith(stop) and t.count(stop) == 1 for t in ended)
+
+
+@pytest.mark.parametrize("skip, texts", [(True, {"ab"}),
+                                         (False, {"ab<|end_of_text|>", "ab<|im_end|>"})])  # fmt: skip
+def test_beam_search_honours_skip_special_tokens(server, skip, texts):
+    body = {"prompt": "x", "max_tokens": 8, "use_beam_search": True, "n": 1,
+            "guided_grammar": 'root ::= "ab"', "skip_special_tokens": skip}  # fmt: skip
+    out = httpx.post(f"{server}/v1/completions", json={"model": MODEL, **body}).json()
+    assert out["choices"][0]["text"] in texts  # the EOS that ended the beam, or not
 
 
 # ---- every field of the README's tables is sent ------------------------------------------------
@@ -437,6 +450,8 @@ def test_honoured_fields_change_the_result(server):
     assert stopped["stop_reason"] == stop_id and stopped["token_ids"][-1] == stop_id
     named = chat(server, max_tokens=1, request_id="my-req-7")
     assert named["id"] == "chatcmpl-my-req-7"
+    strs = httpx.post(f"{server}/tokenize", json={"prompt": "hello", "return_token_strs": True})
+    assert strs.json()["token_strs"][-1] == "hello"
 
 
 @pytest.mark.parametrize("include", [True, False])
