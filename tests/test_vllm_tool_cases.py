@@ -130,15 +130,30 @@ def check_arguments(calls: list[tuple[str, str]]) -> None:
         ({"guided_choice": ["Python", "Java", "C"]}, lambda t: t in ("Python", "Java", "C")),
         ({"structured_outputs": {"choice": ["up", "down"]}}, lambda t: t in ("up", "down")),
         ({"structured_outputs": {"regex": "[a-c]{4}"}}, lambda t: re.fullmatch("[a-c]{4}", t)),
-        ({"structured_outputs": {"grammar": 'root ::= "<" [0-9]+ ">"'}},
-         lambda t: re.fullmatch("<[0-9]+>", t)),
+        (
+            {"structured_outputs": {"grammar": 'root ::= "<" [0-9]+ ">"'}},
+            lambda t: re.fullmatch("<[0-9]+>", t),
+        ),
         ({"structured_outputs": {"json_object": True}}, lambda t: isinstance(json.loads(t), dict)),
         (
-            {"structured_outputs": {"structural_tag": json.dumps({"format": {
-                "type": "tag", "begin": "<w>", "end": "</w>",
-                "content": {"type": "json_schema", "json_schema": CITY}}})}},
-            lambda t: (t[:3], t[-4:]) == ("<w>", "</w>")
-            and jsonschema.validate(json.loads(t[3:-4]), CITY),
+            {
+                "structured_outputs": {
+                    "structural_tag": json.dumps(
+                        {
+                            "format": {
+                                "type": "tag",
+                                "begin": "<w>",
+                                "end": "</w>",
+                                "content": {"type": "json_schema", "json_schema": CITY},
+                            }
+                        }
+                    )
+                }
+            },
+            lambda t: (
+                (t[:3], t[-4:]) == ("<w>", "</w>")
+                and jsonschema.validate(json.loads(t[3:-4]), CITY)
+            ),
         ),
         (
             {
