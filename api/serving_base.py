@@ -192,6 +192,9 @@ class BaseServing:
                     cache_salt=req.cache_salt,
                     stop_token_ids=list(req.stop_token_ids or []),
                     structured_outputs=structured_outputs,
+                    stop=req.stop,
+                    include_stop_str_in_output=req.include_stop_str_in_output,
+                    skip_special_tokens=req.skip_special_tokens,
                 )
             return SamplingParams(
                 n=req.n,
@@ -224,8 +227,17 @@ class BaseServing:
 
     @staticmethod
     def _check_beam_search(req, logprobs: int | None, prompt_logprobs: int | None) -> None:
-        """Beam search scores with the raw model: options it would not honour are refused."""
+        """Beam search scores with the raw model: options it would not honour are refused
+        (sampling controls at values other than their neutral ones included; ``seed`` is
+        accepted, the search being deterministic)."""
         given = {
+            "temperature": req.temperature not in (None, 0),
+            "top_p": req.top_p not in (None, 1),
+            "top_k": req.top_k not in (None, 0, -1),
+            "min_p": req.min_p not in (None, 0),
+            "presence_penalty": req.presence_penalty != 0,
+            "frequency_penalty": req.frequency_penalty != 0,
+            "repetition_penalty": req.repetition_penalty != 1,
             "logprobs": logprobs is not None,
             "prompt_logprobs": prompt_logprobs is not None,
             "logit_bias": bool(req.logit_bias),
@@ -316,12 +328,12 @@ class BaseServing:
     ) -> AsyncIterator[str]:
         """The SSE lines of a stream: ``first_chunks``, then one chunk per body (``{"choices":
         [...], ...}``) that ``events(position, output)`` gives as outputs come, the usage chunk
-        once all finished (``include_usage``; with ``continuous_usage_stats`` every chunk
-        carries the usage so far), and the error tail and ``[DONE]``. However it ends, the
+        once all finished (``include_usage``; with ``continuous_usage_stats`` too, every chunk
+        carries the usage so far, as vLLM: neither without ``include_usage``), and the error tail and ``[DONE]``. However it ends, the
         streams' engine requests end with it."""
         latest: dict[int, RequestOutput] = {}
         include = stream_options is not None and stream_options.include_usage
-        continuous = stream_options is not None and stream_options.continuous_usage_stats
+        continuous = include and stream_options.continuous_usage_stats
 
         def chunk(body: dict) -> str:
             if not continuous:

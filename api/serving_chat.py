@@ -4,7 +4,9 @@ Tool calls (``ToolMode``): with ``tool_choice`` "auto" and ``--tool-call-parser 
 model may write ``<tool_call>`` blocks, parsed from its text. With "required" or a named function,
 a grammar forces the calls in the template's own syntax (``structured_outputs.tool_calls``) with
 arguments that match each tool's ``parameters``, so they always come back as ``tool_calls``,
-whatever the parser setting; streamed as OpenAI does (name first, then argument fragments).
+whatever the parser setting; streamed one tool-call entry per chunk (a call's id and name,
+then its arguments), each call once complete, so a call cut off by ``max_tokens`` is neither
+streamed nor returned. ``parallel_tool_calls: false`` keeps at most one call in every mode.
 In tool modes special tokens are kept in the text so tags survive detokenization; the trailing
 EOS text is removed before parsing. Invariant: the streamed content and tool calls of a choice,
 concatenated, equal the non-streamed message for the same output (content up to surrounding
@@ -70,9 +72,19 @@ class ChatServing(BaseServing):
                 400,
                 "tool_choice",
             )
+        if req.tools is not None and not req.tools:
+            raise APIError(
+                "tools: must not be empty; list at least one function or leave tools out",
+                400,
+                "tools",
+            )
         if not req.tools:
-            if choice in ("required",) or named:
-                raise APIError(f"tool_choice: {choice!r} needs tools", 400, "tool_choice")
+            if choice in ("auto", "required") or named:
+                raise APIError(
+                    f"tool_choice: {choice!r} needs tools; list the functions in tools",
+                    400,
+                    "tool_choice",
+                )
             return None, ToolMode.NONE
         tools = [t.model_dump(exclude_none=True) for t in req.tools]
         if choice == "none":  # the model still sees the tools (as vLLM), and calls none
@@ -191,14 +203,16 @@ class ChatServing(BaseServing):
         self, req: ChatCompletionRequest, c: CompletionOutput, mode: ToolMode
     ) -> ChatChoice:
         text = self._visible_text(c, mode)
+        forced = mode in (ToolMode.REQUIRED, ToolMode.NAMED)
         if mode is ToolMode.AUTO:
             content, calls = parse_tool_calls(text)
-        elif mode in (ToolMode.REQUIRED, ToolMode.NAMED):
-            content, calls = parse_forced_tool_calls(text)
+            calls = calls if req.parallel_tool_calls else calls[:1]
+        elif forced:
+            content, calls = None, parse_forced_tool_calls(text)
         else:
             content, calls = text, []
         lps = self._logprobs(req, c.logprobs, c.token_ids) if c.logprobs is not None else None
-        if content is not None or not calls:
+        if content is not None or not (calls or forced):
             content = self._echo(req) + (content or "")
         return ChatChoice(
             index=c.index,
@@ -240,22 +254,23 @@ class ChatServing(BaseServing):
             return {"index": index, "delta": delta, "logprobs": logprobs,
                     "finish_reason": finish_reason, **extra}  # fmt: skip
 
-        def message_delta(d: ChoiceDelta) -> dict:
+        def message_deltas(d: ChoiceDelta) -> list[dict]:
+            """The choice's new message parts: content first, then at most one tool-call
+            entry per delta (OpenAI and vLLM send one per chunk)."""
             if mode is ToolMode.NONE:
                 text = (echo if d.first else "") + d.text
-                return {"content": text} if text else {}
-            parser = parsers[d.index]
+                return [{"content": text}] if text else []
+            parser, content = parsers[d.index], ""
             if forced:
-                calls = parser.feed(d.text)
-                return {"tool_calls": calls} if calls else {}
-            content, calls = parser.feed(d.text, final=d.finish_reason is not None)
-            delta: dict = {"content": content} if content else {}
-            if calls:
+                entries = parser.feed(d.text)
+            else:
+                content, calls = parser.feed(d.text, final=d.finish_reason is not None)
                 first = len(parser.calls) - len(calls)
-                delta["tool_calls"] = [
-                    {"index": first + k, **call.model_dump()} for k, call in enumerate(calls)
-                ]
-            return delta
+                entries = [{"index": first + k, **call.model_dump()}
+                           for k, call in enumerate(calls)
+                           if req.parallel_tool_calls or first + k == 0]  # fmt: skip
+            deltas = [{"content": content}] if content else []
+            return deltas + [{"tool_calls": [entry]} for entry in entries]
 
         def events(_: int, out: RequestOutput) -> Iterator[dict]:
             nonlocal sent_extras
@@ -265,7 +280,7 @@ class ChatServing(BaseServing):
                 d = tracker.delta(c.index, c, self._visible_text(c, mode))
                 if d is None:
                     continue
-                delta = message_delta(d)
+                deltas = message_deltas(d) or [{}]
                 lps = (
                     self._logprobs(req, d.logprobs, d.token_ids)
                     if d.logprobs is not None and d.token_ids
@@ -274,15 +289,18 @@ class ChatServing(BaseServing):
                 reason = d.finish_reason
                 if reason is not None:
                     reason = _finish_reason(reason, mode, parsers[d.index].has_calls)
-                extra = {"stop_reason": d.stop_reason} if reason else {}
-                if req.return_token_ids:
-                    extra["token_ids"] = d.token_ids
-                if delta or lps or reason or (d.token_ids and req.return_token_ids):
-                    body = {"choices": [choice(d.index, delta, lps, reason, **extra)]}
-                    if not sent_extras:  # prompt_logprobs, prompt_token_ids: once
-                        body.update(self._extras(req, out))
-                        sent_extras = True
-                    yield body
+                for k, delta in enumerate(deltas):  # logprobs first, the finish reason last
+                    last = k == len(deltas) - 1
+                    part_lps, part_reason = (lps if k == 0 else None), (reason if last else None)
+                    extra = {"stop_reason": d.stop_reason} if part_reason else {}
+                    if req.return_token_ids:
+                        extra["token_ids"] = d.token_ids if k == 0 else []
+                    if delta or part_lps or part_reason or extra.get("token_ids"):
+                        body = {"choices": [choice(d.index, delta, part_lps, part_reason, **extra)]}
+                        if not sent_extras:  # prompt_logprobs, prompt_token_ids: once
+                            body.update(self._extras(req, out))
+                            sent_extras = True
+                        yield body
 
         roles = [{"choices": [choice(i, {"role": "assistant", "content": ""})]}
                  for i in range(req.n)]  # fmt: skip

@@ -1,8 +1,8 @@
 """The request fields that constrain an output, turned into one ``StructuredOutputsParams``.
 
 A request may use one of: OpenAI's ``response_format`` (``text``, ``json_object``,
-``json_schema``), vLLM's ``structured_outputs`` object (``json``, ``regex``, ``choice``,
-``grammar``, ``json_object``), or vLLM's older ``guided_json`` / ``guided_regex`` /
+``json_schema``; vLLM's ``structural_tag``), vLLM's ``structured_outputs`` object (``json``,
+``regex``, ``choice``, ``grammar``, ``json_object``, ``structural_tag``), or vLLM's older ``guided_json`` / ``guided_regex`` /
 ``guided_choice`` / ``guided_grammar``. Two of them at once is a 400, as is an unknown
 ``response_format`` type or a ``json_schema`` without its ``schema``. Whether the grammar compiles
 is checked next, by the engine's compiler, before anything is queued.
@@ -23,7 +23,7 @@ _GUIDED = {
     "guided_choice": "choice",
     "guided_grammar": "grammar",
 }
-_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 def structured_outputs_of(req: Any) -> tuple[StructuredOutputsParams | None, str]:
@@ -78,9 +78,11 @@ def _response_format(fmt: dict[str, Any] | None) -> dict[str, Any] | None:
                 "response_format",
             )
         return {"json": spec["schema"]}
+    if kind == "structural_tag":  # vLLM: the rest of the object is the tag's spec
+        return {"structural_tag": {k: v for k, v in fmt.items() if k != "type"}}
     raise APIError(
-        f"response_format.type: {kind!r} is not supported; use 'text', 'json_object' or "
-        "'json_schema'",
+        f"response_format.type: {kind!r} is not supported; use 'text', 'json_object', "
+        "'json_schema' or 'structural_tag'",
         400,
         "response_format",
     )

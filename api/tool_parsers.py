@@ -8,8 +8,9 @@ Text that could still begin ``<tool_call>`` is held back.
 
 Forced calls (``tool_choice`` "required" or named; the grammar fixed their shape):
 ``parse_forced_tool_calls`` and ``ForcedToolCallDeltas``, which streams OpenAI's deltas: a call's
-id and name first, then fragments of its raw ``arguments`` text (never re-serialized, so the
-client sends back exactly what was generated and the next turn hits the prefix cache).
+id and name first, then its raw ``arguments`` text (never re-serialized, so the client sends back
+exactly what was generated and the next turn hits the prefix cache). Only complete calls are
+returned or streamed, so a call cut off by ``max_tokens`` is in neither reply.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from prefixserve.api.protocol import FunctionCall, ToolCall, random_id
+from prefixserve.api.protocol import FunctionCall, ToolCall
 
 from prefixserve.structured_outputs import tool_calls as forced
 
@@ -105,27 +106,37 @@ def _partial_tag_len(text: str) -> int:
     return 0
 
 
-def parse_forced_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """(text left after the complete calls, or None; the calls) of grammar-forced output."""
-    calls, end = forced.parse_tool_calls(text)
-    tool_calls = [ToolCall(function=FunctionCall(name=n, arguments=a)) for n, a in calls]
-    return text[end:] or None, tool_calls
+def parse_forced_tool_calls(text: str) -> list[ToolCall]:
+    """The complete calls of grammar-forced output. The grammar allows nothing but calls, so
+    whatever follows them is a call cut off (``max_tokens``, a stop string): it is dropped, not
+    returned as content or as a call, as OpenAI and vLLM do."""
+    calls, _ = forced.parse_tool_calls(text)
+    return [ToolCall(function=FunctionCall(name=n, arguments=a)) for n, a in calls]
 
 
 class ForcedToolCallDeltas:
-    """Feed text deltas of forced output; get OpenAI ``delta.tool_calls`` entries."""
+    """Feed text deltas of forced output; get OpenAI ``delta.tool_calls`` entries for each call
+    once it is complete: its id and name (arguments ""), then its whole raw arguments, two
+    entries for two chunks. The text is read with ``parse_forced_tool_calls``, so the stream
+    carries exactly the calls of the non-streamed reply: a call cut off is never sent."""
 
     def __init__(self) -> None:
-        self._stream = forced.ToolCallStream()
-        self.has_calls = False
+        self._text = ""
+        self._num_calls = 0
+
+    @property
+    def has_calls(self) -> bool:
+        return self._num_calls > 0
 
     def feed(self, text: str) -> list[dict]:
+        self._text += text
+        if END not in self._text[-(len(text) + len(END) - 1) :]:
+            return []  # no call can have completed
         out: list[dict] = []
-        for kind, index, value in self._stream.feed(text):
-            if kind == "name":
-                self.has_calls = True
-                out.append({"index": index, "id": random_id("call_"), "type": "function",
-                            "function": {"name": value, "arguments": ""}})  # fmt: skip
-            else:
-                out.append({"index": index, "function": {"arguments": value}})
+        for call in parse_forced_tool_calls(self._text)[self._num_calls :]:
+            function = call.function
+            out.append({"index": self._num_calls, "id": call.id, "type": "function",
+                        "function": {"name": function.name, "arguments": ""}})  # fmt: skip
+            out.append({"index": self._num_calls, "function": {"arguments": function.arguments}})
+            self._num_calls += 1
         return out

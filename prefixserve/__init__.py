@@ -1,5 +1,6 @@
 """prefixserve: an LLM serving engine built for traffic whose requests share long prefixes."""
 
+from prefixserve.inputs import TextPrompt, TokensPrompt
 from prefixserve.outputs import CompletionOutput, RequestOutput
 from prefixserve.sampling_params import BeamSearchParams, SamplingParams
 from prefixserve.structured_outputs.params import StructuredOutputsParams
@@ -14,6 +15,8 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",
+    "TextPrompt",
+    "TokensPrompt",
 ]
 
 

@@ -137,20 +137,24 @@ class IncrementalDetokenizer:
         return None
 
     def _find_stop(self, buf: str) -> tuple[int, str] | None:
-        """Earliest-ending stop string in ``buf`` (ties: the longest), as (start, stop string)."""
-        best: tuple[int, int, str] | None = None
-        for stop in self.stop:
-            start = buf.find(stop)
-            if start < 0:
-                continue
-            key = (start + len(stop), -len(stop), stop)
-            if best is None or key < best:
-                best = key
-        if best is None:
-            return None
-        end, neg_len, stop = best
-        return end + neg_len, stop
+        return find_stop(buf, self.stop)
 
     def _release(self, text: str) -> None:
         if text:
             self._released.append(text)
+
+
+def find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """The earliest-ending stop string in ``text`` (ties: the longest), as (start, stop string)."""
+    best: tuple[int, int, str] | None = None
+    for stop in stops:
+        start = text.find(stop)
+        if start < 0:
+            continue
+        key = (start + len(stop), -len(stop), stop)
+        if best is None or key < best:
+            best = key
+    if best is None:
+        return None
+    end, neg_len, stop = best
+    return end + neg_len, stop

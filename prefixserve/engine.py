@@ -115,7 +115,9 @@ class LLMEngine:
             StepLimits.of(config),
             self.structured_outputs,
         )
-        self.sampling_step = SamplingStep(Sampler(), self.eos_token_ids, self.structured_outputs)
+        self.sampling_step = SamplingStep(
+            Sampler(), self.eos_token_ids, self.structured_outputs, self.tokenizer
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.step_times = StepTimes()
         self.num_steps = 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence as SequenceABC
 
 from tqdm.auto import tqdm
 
@@ -11,10 +10,9 @@ from prefixserve.chat_template import render_chat
 from prefixserve.config import EngineConfig
 from prefixserve.engine import LLMEngine
 from prefixserve.errors import InvalidArgumentError
+from prefixserve.inputs import PromptType, parse_prompts
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import BeamSearchParams, SamplingParams
-
-PromptType = str | list[int]
 
 
 class LLM:
@@ -45,8 +43,9 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs in the order of ``prompts``."""
-        prompt_list = _as_prompt_list(prompts)
+        """Generate for every prompt (a string, token ids, or vLLM's ``{"prompt": ...}`` /
+        ``{"prompt_token_ids": [...]}``: see ``prefixserve.inputs``); outputs in their order."""
+        prompt_list = parse_prompts(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
         if isinstance(params, list):
             if len(params) != len(prompt_list):
@@ -92,10 +91,12 @@ class LLM:
         self, prompts: PromptType | list[PromptType], params: BeamSearchParams
     ) -> list[RequestOutput]:
         """Beam search inside the engine on forked sequences; each output's beams are best first."""
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list = parse_prompts(prompts)
         return self._run(prompt_list, [params] * len(prompt_list), use_tqdm=False)
 
-    def _run(self, prompts: list[PromptType], params: list, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, prompts: list[str | list[int]], params: list, use_tqdm: bool
+    ) -> list[RequestOutput]:
         engine = self.llm_engine
         # every prompt is prepared (and its grammar compiled) before anything is queued, so a
         # bad one raises with nothing left running
@@ -129,16 +130,3 @@ class LLM:
         finally:
             bar.close()
         return [finished[rid] for rid in ids]
-
-
-def _as_prompt_list(prompts) -> list[PromptType]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, int) for t in prompts):
-        return [list(prompts)]
-    if isinstance(prompts, SequenceABC) and all(isinstance(p, (str, list)) for p in prompts):
-        return list(prompts)
-    raise InvalidArgumentError(
-        "prompts: expected a string, a list of strings, a list of token ids or a list of those",
-        "prompts",
-    )

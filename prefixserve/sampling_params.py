@@ -158,7 +158,9 @@ class BeamSearchParams:
     """Beam search: keep the ``beam_width`` best hypotheses by cumulative logprob.
 
     ``length_penalty`` follows transformers: a finished hypothesis scores
-    ``sum_logprobs / len(generated) ** length_penalty``.
+    ``sum_logprobs / len(generated) ** length_penalty``. A hypothesis ends at EOS, a
+    ``stop_token_ids`` token or, as its text grows, a ``stop`` string (the text is cut before it
+    unless ``include_stop_str_in_output``). ``skip_special_tokens`` applies to the final text.
     """
 
     beam_width: int = 4
@@ -169,8 +171,17 @@ class BeamSearchParams:
     cache_salt: str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     structured_outputs: StructuredOutputsParams | None = None
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        require(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "must be a non-empty string or a list of non-empty strings",
+        )
         _check_structured_outputs(self.structured_outputs)
         require(
             isinstance(self.beam_width, int) and self.beam_width >= 1,

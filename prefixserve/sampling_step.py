@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceABC
 from collections.abc import Set
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -63,10 +64,12 @@ class SamplingStep:
         sampler: Sampler,
         eos_token_ids: Set[int],
         structured_outputs: StructuredOutputManager,
+        tokenizer: Any = None,
     ) -> None:
         self.sampler = sampler
         self.eos_token_ids = eos_token_ids
         self.structured_outputs = structured_outputs
+        self.tokenizer = tokenizer  # beam search reads candidates' text for stop strings
 
     def sample(
         self,
@@ -198,7 +201,7 @@ class SamplingStep:
             rows = [j for j, s in enumerate(seqs) if s.grammar is not None]
             if rows:  # ``logits`` is this request's own copy (gathered by row indices)
                 apply_bitmask(logits, self._bitmask(seqs, rows, logits.shape[-1]), rows)
-            step = beam_search.decide(request, seqs, logits, self.eos_token_ids)
+            step = beam_search.decide(request, seqs, logits, self.eos_token_ids, self.tokenizer)
         except Exception as exc:
             result.failed.append((request, describe_error(exc, "beam search")))
             return

@@ -147,3 +147,42 @@ def test_preempted_beam_groups_give_the_same_results():
         [c.token_ids for c in o.outputs] for o in roomy
     ]
     assert tight.cache_stats()["used_blocks"] == 0
+
+
+# ---- beam search: stop strings and stop tokens ------------------------------------------------
+
+
+def _greedy_beam(llm, prompt, **kw):
+    params = BeamSearchParams(beam_width=1, max_tokens=14, **kw)
+    return llm.beam_search([prompt], params)[0].outputs
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_beam_search_ends_a_hypothesis_at_a_stop_string(tiny, include):
+    prompt = list(range(40, 60))
+    free = _greedy_beam(tiny, prompt, ignore_eos=True)[0]  # one beam: the greedy continuation
+    stop = free.text[len(free.text) // 2 :][:2]
+    assert stop.strip(), free.text
+    start = free.text.find(stop)
+    [out] = _greedy_beam(tiny, prompt, ignore_eos=True, stop=[stop],
+                         include_stop_str_in_output=include)  # fmt: skip
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.text == free.text[: start + (len(stop) if include else 0)]
+    assert out.token_ids == free.token_ids[: len(out.token_ids)]
+    wide = tiny.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=14,
+                                                       ignore_eos=True, stop=stop))[0]  # fmt: skip
+    assert all(stop not in c.text for c in wide.outputs)
+    assert any(c.stop_reason == stop for c in wide.outputs)
+
+
+def test_beam_search_stop_token_text_is_left_out(tiny):
+    prompt = list(range(70, 90))
+    free = _greedy_beam(tiny, prompt, ignore_eos=True)[0]
+    k = next(
+        i for i in range(2, len(free.token_ids)) if free.token_ids[i] not in free.token_ids[:i]
+    )
+    stop_id = free.token_ids[k]
+    [out] = _greedy_beam(tiny, prompt, stop_token_ids=[stop_id])
+    tok = tiny.get_tokenizer()
+    assert out.token_ids == free.token_ids[: k + 1] and out.stop_reason == stop_id
+    assert out.text == tok.decode(free.token_ids[:k], skip_special_tokens=True)

@@ -64,7 +64,7 @@ WEATHER = {
         },
     },
 }
-NOOP = {"type": "function", "function": {"name": "noop"}}  # no parameters: any object
+NOOP = {"type": "function", "function": {"name": "noop"}}  # no parameters: arguments are {}
 TOOLS = [WEATHER, NOOP]
 
 
@@ -449,7 +449,7 @@ def _parse_calls(text: str) -> list[tuple[str, str]]:
         [("get_weather", '{"city": "Paris", "days": 3}')],
         [("get_weather", {"city": "Paris", "days": 3, "unit": "c"})],
         [("noop", {})],
-        [("get_weather", {"city": "Rome", "days": 1}), ("noop", {"x": [1, "y"]})],
+        [("get_weather", {"city": "Rome", "days": 1}), ("noop", {})],
     ],
 )
 def test_tool_call_grammar_accepts_the_template_rendering_byte_for_byte(manager, calls):
@@ -468,9 +468,11 @@ def test_sampled_tool_calls_parse_validate_and_rerender_identically(manager, see
     text = sample_text(manager, grammar, seed)
     calls = _parse_calls(text)
     assert calls
-    schemas = {"get_weather": WEATHER["function"]["parameters"], "noop": {"type": "object"}}
     for name, arguments in calls:
-        jsonschema.validate(json.loads(arguments), schemas[name])
+        if name == "noop":
+            assert arguments == "{}"
+        else:
+            jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
     assert _render_calls(calls) == text  # the next turn's prompt holds exactly this text
 
 
@@ -485,6 +487,18 @@ def test_named_tool_call_is_forced_up_to_the_arguments(manager):
     for seed in SEEDS:
         calls = _parse_calls(sample_text(manager, compiled_grammar, seed))
         assert [name for name, _ in calls] == ["get_weather"]  # one call: a name is not parallel
+
+
+@pytest.mark.parametrize("parameters", [None, {}])
+def test_tool_without_parameters_is_called_with_empty_arguments(manager, parameters):
+    function = {"name": "ping"} if parameters is None else {"name": "ping", "parameters": parameters}
+    tools = [{"type": "function", "function": function}]
+    compiled_grammar = manager.submit(tool_call_params(tools, "ping", False)).result()
+    for seed in SEEDS:
+        assert _parse_calls(sample_text(manager, compiled_grammar, seed)) == [("ping", "{}")]
+    grammar = manager.new_grammar(compiled_grammar)
+    assert grammar.jump_forward_string() == '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
+    assert not accept_text(manager.new_grammar(compiled_grammar), _render_calls([("ping", {"a": 1})]))
 
 
 def test_tool_choice_errors():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import xgrammar as xgr
 
 JSON_SEPARATORS = (", ", ": ")
+ANY_OBJECT = '{"type": "object"}'  # the schema of any JSON object
 
 # xgrammar 0.2.9 writes the characters of a string with minLength/maxLength as [^"\\\r\n], which
 # lets raw control characters (invalid in JSON) through; plain strings exclude them. Same fix here.

@@ -31,9 +31,10 @@ import xgrammar as xgr
 
 from prefixserve.errors import InvalidArgumentError
 from prefixserve.structured_outputs.grammar import Grammar
-from prefixserve.structured_outputs.json_grammar import json_schema_ebnf
+from prefixserve.structured_outputs.json_grammar import ANY_OBJECT, json_schema_ebnf
 from prefixserve.structured_outputs.params import StructuredOutputsParams, canonical_json
-from prefixserve.structured_outputs.tool_calls import ANY_OBJECT, tool_call_structural_tag
+from prefixserve.structured_outputs.structural_tag import xgrammar_structural_tag
+from prefixserve.structured_outputs.tool_calls import tool_call_structural_tag
 
 # xgrammar's messages start with a log prefix: "[23:51:11] /project/cpp/x.cc:94: Check failed: ..."
 _LOG_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: (Check failed: .*? is false: )?")
@@ -44,6 +45,8 @@ _FAILED = {
     "choice": "structured_outputs.choice failed to compile",
     "grammar": "structured_outputs.grammar is not EBNF prefixserve can compile (xgrammar's "
     "dialect, with a rule named root)",
+    "structural_tag": "structured_outputs.structural_tag is not a structural tag prefixserve can "
+    "compile",
     "tool_calls": "The parameters of a function in tools are not a JSON schema prefixserve can "
     "compile",
 }
@@ -168,6 +171,10 @@ class StructuredOutputManager:
             return compiler.compile_grammar("root ::= " + " | ".join(literals))
         if kind == "grammar":
             return compiler.compile_grammar(params.key[1])
+        if kind == "structural_tag":
+            return compiler.compile_structural_tag(
+                xgrammar_structural_tag(params.structural_tag_spec)
+            )
         assert kind == "tool_calls" and params.tool_calls is not None
         return compiler.compile_structural_tag(tool_call_structural_tag(params.tool_calls))
 

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixserve.errors import InvalidArgumentError
+from prefixserve.structured_outputs.structural_tag import check_structural_tag
 
-_KINDS = ("json", "regex", "choice", "grammar", "json_object", "tool_calls")
+_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag", "tool_calls")
 
 
 def _invalid(message: str) -> InvalidArgumentError:
@@ -34,7 +35,8 @@ class ToolCallSpec:
     """Forced tool calls, built by ``tool_calls.tool_call_params`` (never by a user directly).
 
     ``functions`` holds ``(name, parameters)`` pairs: ``parameters`` is the function's JSON schema
-    as ``canonical_json`` text, or None for "any JSON object". ``parallel`` allows one or more
+    as ``canonical_json`` text, or None for a function that takes no parameters (its arguments
+    are exactly ``{}``). ``parallel`` allows one or more
     calls; otherwise exactly one call is generated.
     """
 
@@ -48,8 +50,10 @@ class StructuredOutputsParams:
 
     ``json``: a JSON schema, as a dict or JSON text. ``regex``: a pattern the whole output matches.
     ``choice``: the output is exactly one of these strings. ``grammar``: EBNF in xgrammar's dialect
-    (GBNF-like, root rule ``root``). ``json_object``: any JSON object. ``tool_calls``: the chat
-    template's tool-call syntax (internal; see ``tool_calls.tool_call_params``).
+    (GBNF-like, root rule ``root``). ``json_object``: any JSON object. ``structural_tag``: free
+    text with constrained tagged regions, a dict or its JSON text (see ``structural_tag``).
+    ``tool_calls``: the chat template's tool-call syntax (internal; see
+    ``tool_calls.tool_call_params``).
     """
 
     json: dict[str, Any] | str | None = None
@@ -57,6 +61,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    structural_tag: dict[str, Any] | str | None = None
     tool_calls: ToolCallSpec | None = None
 
     def __post_init__(self) -> None:
@@ -84,6 +89,8 @@ class StructuredOutputsParams:
             return kind, canonical_json(self.json_schema)
         if kind == "choice":
             return kind, canonical_json(list(self.choice or ()))
+        if kind == "structural_tag":
+            return kind, canonical_json(self.structural_tag_spec)
         if kind == "tool_calls":
             spec = self.tool_calls
             assert spec is not None
@@ -98,6 +105,12 @@ class StructuredOutputsParams:
         value = json.loads(self.json) if isinstance(self.json, str) else self.json
         assert isinstance(value, (dict, bool)), "only set when kind is json"
         return value
+
+    @property
+    def structural_tag_spec(self) -> dict[str, Any]:
+        """The ``structural_tag`` as a Python dict (parsed when it was given as text)."""
+        value = self.structural_tag
+        return json.loads(value) if isinstance(value, str) else value  # type: ignore[return-value]
 
 
 def _is_set(value: object) -> bool:
@@ -136,6 +149,15 @@ def _check_choice(value: object) -> None:
         raise _invalid("Every entry of structured_outputs.choice must be a non-empty string.")
 
 
+def _check_structural_tag(value: object) -> None:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise _invalid(f"structured_outputs.structural_tag is not valid JSON ({e}).") from None
+    check_structural_tag(value)
+
+
 def _check_tool_calls(value: object) -> None:
     if not isinstance(value, ToolCallSpec) or not value.functions:
         raise _invalid("structured_outputs.tool_calls must be built by tool_call_params().")
@@ -147,5 +169,6 @@ _CHECKS = {
     "choice": _check_choice,
     "grammar": _check_text("grammar"),
     "json_object": lambda value: None,
+    "structural_tag": _check_structural_tag,
     "tool_calls": _check_tool_calls,
 }

@@ -29,7 +29,7 @@ from prefixserve.structured_outputs.params import (
 )
 
 CALL_SEPARATOR = "\n"  # between calls, as the template renders them (see above)
-ANY_OBJECT = '{"type": "object"}'
+NO_ARGUMENTS_EBNF = 'root ::= "{}"'  # a function without parameters takes none (OpenAI)
 
 
 def tool_call_params(
@@ -39,7 +39,8 @@ def tool_call_params(
 
     ``name`` given: exactly one call of that function. ``name`` None (``tool_choice`` "required"):
     one call of any listed function, or one or more calls when ``parallel``. Each call's arguments
-    match the function's ``parameters`` schema; missing or empty ``parameters`` mean any object.
+    match the function's ``parameters`` schema; missing or empty ``parameters`` mean a function
+    that takes no parameters, called with exactly ``{}`` (OpenAI's definition).
     """
     functions = [_function(tool) for tool in tools]
     if not functions:
@@ -68,7 +69,7 @@ def tool_call_structural_tag(spec: ToolCallSpec) -> dict[str, Any]:
         {
             "type": "tag",
             "begin": f'<tool_call>\n{{"name": "{name}", "arguments": ',
-            "content": {"type": "grammar", "grammar": json_schema_ebnf(parameters or ANY_OBJECT)},
+            "content": {"type": "grammar", "grammar": _arguments_ebnf(parameters)},
             "end": "}\n</tool_call>",
         }
         for name, parameters in spec.functions
@@ -83,6 +84,11 @@ def tool_call_structural_tag(spec: ToolCallSpec) -> dict[str, Any]:
             "stop_after_first": not spec.parallel,
         },
     }
+
+
+def _arguments_ebnf(parameters: str | None) -> str:
+    """EBNF of a call's arguments: JSON matching ``parameters``, or exactly ``{}`` without."""
+    return NO_ARGUMENTS_EBNF if parameters is None else json_schema_ebnf(parameters)
 
 
 def _function(tool: dict[str, Any]) -> tuple[str, str | None]:
@@ -138,73 +144,3 @@ def parse_tool_calls(text: str) -> tuple[list[tuple[str, str]], int]:
             return calls, pos
         calls.append((text[start + len(_CALL_START) : name_end], text[args_start:args_end]))
         pos = args_end + len(_CALL_END)
-
-
-class ToolCallStream:
-    """Reads forced tool-call text in pieces; ``feed`` returns what became known, in order:
-    ``("name", index, name)`` once a call's name is complete, then ``("arguments", index, text)``
-    fragments whose concatenation is the call's raw arguments text (OpenAI's streaming shape).
-
-    Text that could still be the closing ``}\\n</tool_call>`` is held back; a fragment is never
-    retracted. The arguments are JSON, so where they end is found by tracking nesting and strings.
-    """
-
-    def __init__(self) -> None:
-        self._buffer = ""
-        self._index = -1
-        self._in_args = False
-        self._depth = 0
-        self._in_string = False
-        self._escaped = False
-
-    def feed(self, text: str) -> list[tuple[str, int, str]]:
-        self._buffer += text
-        events: list[tuple[str, int, str]] = []
-        while True:
-            if self._in_args:
-                fragment, done = self._scan_arguments()
-                if fragment:
-                    events.append(("arguments", self._index, fragment))
-                if not done:
-                    return events
-                self._in_args = False
-                continue
-            head = _CALL_START if self._index < 0 else CALL_SEPARATOR + _CALL_START
-            if self._index >= 0:
-                head = _CALL_END + head
-            name_end = self._buffer.find(_ARGS_START, len(head))
-            if not self._buffer.startswith(head) or name_end < 0:
-                return events
-            self._index += 1
-            events.append(("name", self._index, self._buffer[len(head) : name_end]))
-            self._buffer = self._buffer[name_end + len(_ARGS_START) :]
-            self._in_args, self._depth = True, 0
-
-    def _scan_arguments(self) -> tuple[str, bool]:
-        """Consume argument text from the buffer: (fragment, whether the arguments ended)."""
-        for i, ch in enumerate(self._buffer):
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif ch == "\\":
-                    self._escaped = True
-                elif ch == '"':
-                    self._in_string = False
-                    if self._depth == 0:
-                        return self._take(i + 1), True
-            elif ch == '"':
-                self._in_string = True
-            elif ch in "{[":
-                self._depth += 1
-            elif ch in "}]":
-                self._depth -= 1
-                if self._depth == 0:
-                    return self._take(i + 1), True
-            elif self._depth == 0:  # a bare number or literal: it ends where the call's end does
-                end = self._buffer.find(_CALL_END, i)
-                return (self._take(end), True) if end >= 0 else ("", False)
-        return self._take(len(self._buffer)), False
-
-    def _take(self, n: int) -> str:
-        fragment, self._buffer = self._buffer[:n], self._buffer[n:]
-        return fragment
