@@ -5,6 +5,11 @@ model may write ``<tool_call>`` blocks, parsed from its text. With "required" or
 a grammar forces the calls in the template's own syntax (``structured_outputs.tool_calls``) with
 arguments that match each tool's ``parameters``, so they always come back as ``tool_calls``,
 whatever the parser setting; streamed as OpenAI does (name first, then argument fragments).
+With ``--tool-call-parser`` set to another family's syntax (``api/tool_call_parsers.py``), auto
+calls are read and forced calls generated in that syntax (streamed a whole call at a time).
+With ``--reasoning-parser`` (``api/reasoning_parsers.py``), the reasoning block is split off
+first (``reasoning_content``), tool calls and content are read from the rest, and grammars and
+forced calls apply after the reasoning.
 In tool modes special tokens are kept in the text so tags survive detokenization; the trailing
 EOS text is removed before parsing. Invariant: the streamed content and tool calls of a choice,
 concatenated, equal the non-streamed message for the same output (content up to surrounding
@@ -14,6 +19,7 @@ whitespace).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 from collections.abc import Iterator
 
@@ -26,13 +32,23 @@ from prefixserve.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatMessage,
+    CompletionTokensDetails,
+    Usage,
     random_id,
+)
+from prefixserve.api.reasoning_parsers import (
+    THINK_END,
+    THINK_START,
+    count_reasoning_tokens,
+    reasoning_ahead,
+    reasoning_parser,
+    starts_in_reasoning,
 )
 from prefixserve.api.serving_base import BaseServing, ChoiceDelta, DeltaTracker, usage_of
 from prefixserve.api.structured_outputs import structured_outputs_of
+from prefixserve.api.tool_call_parsers import tool_call_parser
 from prefixserve.api.tool_parsers import (
     ForcedToolCallDeltas,
-    HermesStreamParser,
     parse_forced_tool_calls,
     parse_tool_calls,
 )
@@ -41,6 +57,7 @@ from prefixserve.chat_template import render_chat
 from prefixserve.errors import InvalidArgumentError
 from prefixserve.outputs import CompletionOutput, RequestOutput
 from prefixserve.structured_outputs.params import StructuredOutputsParams
+from prefixserve.structured_outputs.tool_call_syntaxes import SYNTAXES
 from prefixserve.structured_outputs.tool_calls import tool_call_params
 
 
@@ -51,11 +68,15 @@ class ChatServing(BaseServing):
         served_model_names: list[str],
         tool_parser: str | None,
         content_format: str = "auto",
+        reasoning_parser: str | None = None,
         **options,
     ) -> None:
         super().__init__(engine, served_model_names, **options)
         self.tool_parser = tool_parser
         self.content_format = content_format
+        self.reasoning_parser = reasoning_parser
+        # forced calls use the parser's syntax where it has one that a grammar can generate
+        self.forced_syntax = tool_parser if tool_parser in SYNTAXES else "hermes"
         texts = {engine.tokenizer.decode([t]) for t in engine.eos_token_ids} - {""}
         self.eos_texts = tuple(sorted(texts, key=len, reverse=True))
 
@@ -90,7 +111,11 @@ class ChatServing(BaseServing):
         return tools, ToolMode.AUTO
 
     async def _structured_outputs(
-        self, req: ChatCompletionRequest, tools: list[dict] | None, mode: ToolMode
+        self,
+        req: ChatCompletionRequest,
+        tools: list[dict] | None,
+        mode: ToolMode,
+        reasoning: tuple[str, str] | None,
     ) -> StructuredOutputsParams | None:
         structured, source = structured_outputs_of(req)
         if mode in (ToolMode.REQUIRED, ToolMode.NAMED):
@@ -100,10 +125,14 @@ class ChatServing(BaseServing):
                 )
             name = req.tool_choice["function"].get("name") if mode is ToolMode.NAMED else None
             try:
-                structured = tool_call_params(tools or [], name, req.parallel_tool_calls)
+                structured = tool_call_params(
+                    tools or [], name, req.parallel_tool_calls, self.forced_syntax, reasoning
+                )
             except InvalidArgumentError as exc:
                 raise APIError(str(exc), 400, exc.param) from exc
             source = "tool_choice"
+        if structured is not None and reasoning is not None:
+            structured = dataclasses.replace(structured, reasoning=reasoning)
         if structured is not None:
             await self.check_grammar(structured, source)
         return structured
@@ -122,8 +151,10 @@ class ChatServing(BaseServing):
                 "tool_choice",
             )
         tools, mode = self._tool_mode(req)
-        structured = await self._structured_outputs(req, tools, mode)
         prompt = await asyncio.to_thread(self._render, req, tools)
+        prompt_tail = self.engine.tokenizer.decode(prompt[-32:])  # where reasoning stands
+        reasoning = self._reasoning_tags(prompt_tail)
+        structured = await self._structured_outputs(req, tools, mode, reasoning)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = self.make_params(req, max_tokens, logprobs, structured, req.prompt_logprobs)
@@ -132,13 +163,32 @@ class ChatServing(BaseServing):
         request_id = "chatcmpl-" + (req.request_id or random_id(""))
         streams = await self.add_all(request_id, [prompt], [params], "messages")
         if req.stream:
-            return self._stream(req, request_id, model, streams, mode)
+            return self._stream(req, request_id, model, streams, mode, tools, prompt_tail)
         final = (await self.collect(raw_request, streams))[0]
-        choices = [self._choice(req, c, mode) for c in final.outputs]
+        choices = [self._choice(req, c, mode, tools, prompt_tail) for c in final.outputs]
+        usage = usage_of([final])
+        if self.reasoning_parser is not None:
+            usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=sum(
+                count_reasoning_tokens(self.engine.tokenizer, c.token_ids, ch.message.reasoning_content)
+                for c, ch in zip(final.outputs, choices)
+            ))  # fmt: skip
         return ChatCompletionResponse(
-            id=request_id, model=model, choices=choices, usage=usage_of([final]),
-            **self._extras(req, final),
-        )  # fmt: skip
+            id=request_id, model=model, choices=choices, usage=usage, **self._extras(req, final)
+        )
+
+    def _reasoning_tags(self, prompt_tail: str) -> tuple[str, str] | None:
+        """``StructuredOutputsParams.reasoning`` for this prompt: None when no reasoning comes."""
+        name = self.reasoning_parser
+        if name is None or not reasoning_ahead(name, prompt_tail):
+            return None
+        return ("" if starts_in_reasoning(name, prompt_tail) else THINK_START), THINK_END
+
+    def _tool_call_parser(self, tools: list[dict] | None, mode: ToolMode):
+        """The registered parser that reads this mode's calls (forced: the forced syntax)."""
+        forced = mode in (ToolMode.REQUIRED, ToolMode.NAMED)
+        return tool_call_parser(
+            self.forced_syntax if forced else self.tool_parser or "hermes", tools
+        )
 
     def _render(self, req: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
         try:
@@ -188,11 +238,23 @@ class ChatServing(BaseServing):
         return c.text
 
     def _choice(
-        self, req: ChatCompletionRequest, c: CompletionOutput, mode: ToolMode
+        self,
+        req: ChatCompletionRequest,
+        c: CompletionOutput,
+        mode: ToolMode,
+        tools: list[dict] | None,
+        prompt_tail: str,
     ) -> ChatChoice:
-        text = self._visible_text(c, mode)
-        if mode is ToolMode.AUTO:
+        text, reasoning = self._visible_text(c, mode), None
+        if self.reasoning_parser is not None:
+            reasoning, text = reasoning_parser(self.reasoning_parser, prompt_tail).extract(text)
+            text = text or ""
+        if mode is ToolMode.AUTO and self.tool_parser != "hermes":
+            content, calls = self._tool_call_parser(tools, mode).parse(text)
+        elif mode is ToolMode.AUTO:
             content, calls = parse_tool_calls(text)
+        elif mode in (ToolMode.REQUIRED, ToolMode.NAMED) and self.forced_syntax != "hermes":
+            content, calls = self._tool_call_parser(tools, mode).parse(text)
         elif mode in (ToolMode.REQUIRED, ToolMode.NAMED):
             content, calls = parse_forced_tool_calls(text)
         else:
@@ -202,7 +264,7 @@ class ChatServing(BaseServing):
             content = self._echo(req) + (content or "")
         return ChatChoice(
             index=c.index,
-            message=ChatMessage(content=content, tool_calls=calls),
+            message=ChatMessage(content=content, reasoning_content=reasoning, tool_calls=calls),
             logprobs=lps,
             finish_reason=_finish_reason(c.finish_reason, mode, bool(calls)),
             stop_reason=c.stop_reason,
@@ -226,13 +288,19 @@ class ChatServing(BaseServing):
             )
         return {"content": content}
 
-    def _stream(self, req, request_id: str, model: str, streams, mode: ToolMode):
+    def _stream(
+        self, req, request_id: str, model: str, streams, mode: ToolMode, tools, prompt_tail
+    ):
         base = {"id": request_id, "object": "chat.completion.chunk", "model": model}
         tracker = DeltaTracker()
-        forced = mode in (ToolMode.REQUIRED, ToolMode.NAMED)
+        forced = mode in (ToolMode.REQUIRED, ToolMode.NAMED) and self.forced_syntax == "hermes"
         parsers = {
-            i: ForcedToolCallDeltas() if forced else HermesStreamParser() for i in range(req.n)
+            i: ForcedToolCallDeltas() if forced else self._tool_call_parser(tools, mode).stream()
+            for i in range(req.n)
         }
+        reasoners = {i: reasoning_parser(self.reasoning_parser, prompt_tail)
+                     for i in range(req.n)} if self.reasoning_parser else {}  # fmt: skip
+        reasoning_tokens: dict[int, int] = {}
         echo = self._echo(req)
         sent_extras = False
 
@@ -241,15 +309,21 @@ class ChatServing(BaseServing):
                     "finish_reason": finish_reason, **extra}  # fmt: skip
 
         def message_delta(d: ChoiceDelta) -> dict:
+            delta, text = {}, d.text
+            if reasoners:
+                reasoner = reasoners[d.index]
+                reasoning, text = reasoner.feed(text, final=d.finish_reason is not None)
+                delta = {"reasoning_content": reasoning} if reasoning else {}
             if mode is ToolMode.NONE:
-                text = (echo if d.first else "") + d.text
-                return {"content": text} if text else {}
+                text = (echo if d.first else "") + text
+                return {**delta, "content": text} if text else delta
             parser = parsers[d.index]
             if forced:
-                calls = parser.feed(d.text)
-                return {"tool_calls": calls} if calls else {}
-            content, calls = parser.feed(d.text, final=d.finish_reason is not None)
-            delta: dict = {"content": content} if content else {}
+                calls = parser.feed(text)
+                return {**delta, "tool_calls": calls} if calls else delta
+            content, calls = parser.feed(text, final=d.finish_reason is not None)
+            if content:
+                delta["content"] = content
             if calls:
                 first = len(parser.calls) - len(calls)
                 delta["tool_calls"] = [
@@ -274,6 +348,11 @@ class ChatServing(BaseServing):
                 reason = d.finish_reason
                 if reason is not None:
                     reason = _finish_reason(reason, mode, parsers[d.index].has_calls)
+                    if reasoners:
+                        reasoning = "" if reasoners[d.index].has_reasoning else None
+                        reasoning_tokens[d.index] = count_reasoning_tokens(
+                            self.engine.tokenizer, c.token_ids, reasoning
+                        )
                 extra = {"stop_reason": d.stop_reason} if reason else {}
                 if req.return_token_ids:
                     extra["token_ids"] = d.token_ids
@@ -286,7 +365,17 @@ class ChatServing(BaseServing):
 
         roles = [{"choices": [choice(i, {"role": "assistant", "content": ""})]}
                  for i in range(req.n)]  # fmt: skip
-        return self.stream(streams, base, events, req.stream_options, first_chunks=roles)
+
+        def usage_details(usage: Usage) -> Usage:
+            if reasoners:
+                details = CompletionTokensDetails(reasoning_tokens=sum(reasoning_tokens.values()))
+                usage.completion_tokens_details = details
+            return usage
+
+        return self.stream(
+            streams, base, events, req.stream_options, first_chunks=roles,
+            usage_details=usage_details,
+        )  # fmt: skip
 
 
 class ToolMode(enum.Enum):

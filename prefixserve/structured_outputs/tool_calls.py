@@ -27,19 +27,26 @@ from prefixserve.structured_outputs.params import (
     ToolCallSpec,
     canonical_json,
 )
+from prefixserve.structured_outputs.tool_call_syntaxes import check_function, syntax_format
 
 CALL_SEPARATOR = "\n"  # between calls, as the template renders them (see above)
 ANY_OBJECT = '{"type": "object"}'
 
 
 def tool_call_params(
-    tools: list[dict[str, Any]], name: str | None, parallel: bool
+    tools: list[dict[str, Any]],
+    name: str | None,
+    parallel: bool,
+    syntax: str = "hermes",
+    reasoning: tuple[str, str] | None = None,
 ) -> StructuredOutputsParams:
     """Params that force tool calls of ``tools`` (OpenAI tool definitions).
 
     ``name`` given: exactly one call of that function. ``name`` None (``tool_choice`` "required"):
     one call of any listed function, or one or more calls when ``parallel``. Each call's arguments
     match the function's ``parameters`` schema; missing or empty ``parameters`` mean any object.
+    ``syntax``: the family's (``tool_call_syntaxes``); ``reasoning``: a reasoning block first
+    (``StructuredOutputsParams.reasoning``).
     """
     functions = [_function(tool) for tool in tools]
     if not functions:
@@ -56,7 +63,10 @@ def tool_call_params(
                 param="tool_choice",
             )
         functions, parallel = chosen[:1], False
-    return StructuredOutputsParams(tool_calls=ToolCallSpec(tuple(functions), parallel))
+    for function_name, parameters in functions:
+        check_function(syntax, function_name, parameters)
+    spec = ToolCallSpec(tuple(functions), parallel, syntax)
+    return StructuredOutputsParams(tool_calls=spec, reasoning=reasoning)
 
 
 def tool_call_structural_tag(spec: ToolCallSpec) -> dict[str, Any]:
@@ -64,6 +74,11 @@ def tool_call_structural_tag(spec: ToolCallSpec) -> dict[str, Any]:
 
     Raises RuntimeError (from xgrammar) when a ``parameters`` schema cannot be converted.
     """
+    if spec.syntax != "hermes":
+        return {
+            "type": "structural_tag",
+            "format": syntax_format(spec.syntax, spec.functions, spec.parallel),
+        }
     tags = [
         {
             "type": "tag",
