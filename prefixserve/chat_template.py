@@ -117,7 +117,9 @@ def _normalize(index: int, message: dict[str, Any], fmt: str) -> dict[str, Any]:
 
 
 def _parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:
-    """The message with its tool calls' JSON-object ``arguments`` strings parsed into dicts."""
+    """The message with its tool calls' JSON-object ``arguments`` strings parsed into dicts, and
+    ``name`` before ``arguments`` (templates that ``tojson`` the function, as Mistral's, write
+    the keys in order; the openai SDK's ``model_dump`` puts ``arguments`` first)."""
     calls = message.get("tool_calls")
     if not isinstance(calls, list) or not calls:
         return message
@@ -130,8 +132,9 @@ def _parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:
                 value = json.loads(arguments)
             except ValueError:
                 value = None
-            if isinstance(value, dict):
-                call = {**call, "function": {**function, "arguments": value}}
+            if isinstance(value, dict):  # name first, as OpenAI documents it (clients vary)
+                ordered = {"name": function.get("name"), "arguments": value, **function}
+                call = {**call, "function": {**ordered, "arguments": value}}
         parsed.append(call)
     return {**message, "tool_calls": parsed}
 
