@@ -81,3 +81,21 @@ def test_reasoning_tokens_count_through_the_end_tag():
     assert count_reasoning_tokens(tok, ids, None) == 0
     open_ids = tok.encode("<think>\nstill going", add_special_tokens=False)
     assert count_reasoning_tokens(tok, open_ids, "\nstill going") == len(open_ids)
+
+
+def test_a_qwen3_turn_re_renders_from_its_parts_in_the_real_template():
+    """Reasoning, then a hermes call, in the shape Qwen3 writes: split into reasoning_content
+    and tool_calls, the tool loop's next prompt contains the output byte for byte."""
+    from prefixserve.api.tool_call_parsers import tool_call_parser
+
+    tok = family_tokenizer("qwen3")
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": {"type": "object"}}}]
+    prompt = tok.decode(render_chat(tok, USER, tools=tools))
+    output = '<think>\nSeven has no divisors.\n</think>\n\n<tool_call>\n{"name": "pick", "arguments": {"n": 7}}\n</tool_call>'
+    reasoning, content = reasoning_parser("qwen3", prompt).extract(output)
+    _, calls = tool_call_parser("hermes", tools).parse(content)
+    call = calls[0].model_dump()
+    history = [*USER, {"role": "assistant", "content": "", "reasoning_content": reasoning,
+                       "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": call["id"], "content": "ok"}]  # fmt: skip
+    assert tok.decode(render_chat(tok, history, tools=tools)).startswith(prompt + output)
