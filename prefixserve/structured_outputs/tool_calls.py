@@ -6,8 +6,8 @@ content is empty and which calls tools as::
     <tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>\\n<tool_call>\\n{"name": ...
 
 with ``ARGS`` the arguments string verbatim (or ``tojson`` of a dict) and a newline between
-calls, as hermes-style templates (Qwen 2.5 and 3) write them. For a template with another
-tool-call syntax, this form is the documented default.
+calls, as hermes-style templates (Qwen 2.5 and 3) write them. Other families' syntaxes
+(``ToolCallSpec.syntax``, chosen by ``--tool-call-parser``) are in ``tool_call_syntaxes``.
 The grammar generates exactly these bytes: the name is a literal, ``ARGS`` is JSON in the format
 of ``json_grammar``. So when the client sends the call back (OpenAI clients return the
 ``arguments`` string unchanged), the next turn's prompt contains the generated text byte for byte
