@@ -80,8 +80,8 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="structured-outputs")
         self._batch_matcher: xgr.BatchGrammarMatcher | None = None
         self._lock = threading.Lock()  # guards everything below
-        self._cache: OrderedDict[tuple[str, str], Future[xgr.CompiledGrammar]] = OrderedDict()
-        self._cached_sizes: dict[tuple[str, str], int] = {}  # compiled (not in-flight) entries
+        self._cache: OrderedDict[tuple[str, ...], Future[xgr.CompiledGrammar]] = OrderedDict()
+        self._cached_sizes: dict[tuple[str, ...], int] = {}  # compiled (not in-flight) entries
         self._cache_limit_bytes = cache_limit_bytes
         self.compile_seconds = CompileHistogram()
         self.num_compiles = 0
@@ -136,7 +136,7 @@ class StructuredOutputManager:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _compile(
-        self, key: tuple[str, str], params: StructuredOutputsParams
+        self, key: tuple[str, ...], params: StructuredOutputsParams
     ) -> xgr.CompiledGrammar:
         """Runs on a pool thread."""
         start = time.perf_counter()
