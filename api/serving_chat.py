@@ -50,7 +50,6 @@ from prefixserve.api.tool_call_parsers import tool_call_parser
 from prefixserve.api.tool_parsers import (
     ForcedToolCallDeltas,
     parse_forced_tool_calls,
-    parse_tool_calls,
 )
 
 from prefixserve.chat_template import render_chat
@@ -168,10 +167,9 @@ class ChatServing(BaseServing):
         choices = [self._choice(req, c, mode, tools, prompt_tail) for c in final.outputs]
         usage = usage_of([final])
         if self.reasoning_parser is not None:
-            usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=sum(
-                count_reasoning_tokens(self.engine.tokenizer, c.token_ids, ch.message.reasoning_content)
-                for c, ch in zip(final.outputs, choices)
-            ))  # fmt: skip
+            counts = [self._reasoning_tokens(c.token_ids, ch.message.reasoning_content)
+                      for c, ch in zip(final.outputs, choices)]  # fmt: skip
+            usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=sum(counts))
         return ChatCompletionResponse(
             id=request_id, model=model, choices=choices, usage=usage, **self._extras(req, final)
         )
@@ -182,6 +180,9 @@ class ChatServing(BaseServing):
         if name is None or not reasoning_ahead(name, prompt_tail):
             return None
         return ("" if starts_in_reasoning(name, prompt_tail) else THINK_START), THINK_END
+
+    def _reasoning_tokens(self, token_ids: list[int], reasoning: str | None) -> int:
+        return count_reasoning_tokens(self.engine.tokenizer, token_ids, reasoning)
 
     def _tool_call_parser(self, tools: list[dict] | None, mode: ToolMode):
         """The registered parser that reads this mode's calls (forced: the forced syntax)."""
@@ -249,13 +250,10 @@ class ChatServing(BaseServing):
         if self.reasoning_parser is not None:
             reasoning, text = reasoning_parser(self.reasoning_parser, prompt_tail).extract(text)
             text = text or ""
-        if mode is ToolMode.AUTO and self.tool_parser != "hermes":
+        forced = mode in (ToolMode.REQUIRED, ToolMode.NAMED)
+        if mode is ToolMode.AUTO or (forced and self.forced_syntax != "hermes"):
             content, calls = self._tool_call_parser(tools, mode).parse(text)
-        elif mode is ToolMode.AUTO:
-            content, calls = parse_tool_calls(text)
-        elif mode in (ToolMode.REQUIRED, ToolMode.NAMED) and self.forced_syntax != "hermes":
-            content, calls = self._tool_call_parser(tools, mode).parse(text)
-        elif mode in (ToolMode.REQUIRED, ToolMode.NAMED):
+        elif forced:
             content, calls = parse_forced_tool_calls(text)
         else:
             content, calls = text, []
@@ -350,9 +348,7 @@ class ChatServing(BaseServing):
                     reason = _finish_reason(reason, mode, parsers[d.index].has_calls)
                     if reasoners:
                         reasoning = "" if reasoners[d.index].has_reasoning else None
-                        reasoning_tokens[d.index] = count_reasoning_tokens(
-                            self.engine.tokenizer, c.token_ids, reasoning
-                        )
+                        reasoning_tokens[d.index] = self._reasoning_tokens(c.token_ids, reasoning)
                 extra = {"stop_reason": d.stop_reason} if reason else {}
                 if req.return_token_ids:
                     extra["token_ids"] = d.token_ids
