@@ -73,6 +73,7 @@ class ServerConfig:
     served_model_names: list[str]
     api_key: str | None = None
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     request_timeout: float | None = None
@@ -253,8 +254,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         request_timeout=config.request_timeout, require_cache_salt=config.require_cache_salt
     )
     chat = ChatServing(
-        engine, names, config.tool_call_parser, config.chat_template_content_format, **options
-    )
+        engine, names, config.tool_call_parser, config.chat_template_content_format,
+        reasoning_parser=config.reasoning_parser, **options,
+    )  # fmt: skip
     completion = CompletionServing(engine, names, **options)
 
     @asynccontextmanager

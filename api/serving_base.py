@@ -325,12 +325,14 @@ class BaseServing:
         events: Callable[[int, RequestOutput], Iterable[dict]],
         stream_options: Any,
         first_chunks: Iterable[dict] = (),
+        usage_details: Callable[[Usage], Usage] = lambda usage: usage,
     ) -> AsyncIterator[str]:
         """The SSE lines of a stream: ``first_chunks``, then one chunk per body (``{"choices":
         [...], ...}``) that ``events(position, output)`` gives as outputs come, the usage chunk
         once all finished (``include_usage``; with ``continuous_usage_stats`` too, every chunk
-        carries the usage so far, as vLLM: neither without ``include_usage``), and the error tail and ``[DONE]``. However it ends, the
-        streams' engine requests end with it."""
+        carries the usage so far, as vLLM: neither without ``include_usage``; ``usage_details``
+        completes each usage), and the error tail and ``[DONE]``. However it ends, the streams'
+        engine requests end with it."""
         latest: dict[int, RequestOutput] = {}
         include = stream_options is not None and stream_options.include_usage
         continuous = include and stream_options.continuous_usage_stats
@@ -339,7 +341,7 @@ class BaseServing:
             if not continuous:
                 return chunk_event(base, **body)
             usage = usage_of([latest[p] for p in sorted(latest)]) if latest else Usage()
-            return chunk_event(base, **body, usage=usage.model_dump())
+            return chunk_event(base, **body, usage=usage_details(usage).model_dump())
 
         try:
             for body in first_chunks:
@@ -349,7 +351,7 @@ class BaseServing:
                 for body in events(p, out):
                     yield chunk(body)
             if include:
-                usage = usage_of([latest[p] for p in sorted(latest)])
+                usage = usage_details(usage_of([latest[p] for p in sorted(latest)]))
                 yield chunk_event(base, [], usage=usage.model_dump())
         except APIError as exc:
             yield sse(exc.body())

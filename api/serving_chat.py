@@ -7,6 +7,11 @@ arguments that match each tool's ``parameters``, so they always come back as ``t
 whatever the parser setting; streamed one tool-call entry per chunk (a call's id and name,
 then its arguments), each call once complete, so a call cut off by ``max_tokens`` is neither
 streamed nor returned. ``parallel_tool_calls: false`` keeps at most one call in every mode.
+With ``--tool-call-parser`` set to another family's syntax (``api/tool_call_parsers.py``), auto
+calls are read and forced calls generated in that syntax (streamed a whole call at a time).
+With ``--reasoning-parser`` (``api/reasoning_parsers.py``), the reasoning block is split off
+first (``reasoning_content``), tool calls and content are read from the rest, and grammars and
+forced calls apply after the reasoning.
 In tool modes special tokens are kept in the text so tags survive detokenization; the trailing
 EOS text is removed before parsing. Invariant: the streamed content and tool calls of a choice,
 concatenated, equal the non-streamed message for the same output (content up to surrounding
@@ -16,6 +21,7 @@ whitespace).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 from collections.abc import Iterator
 
@@ -28,21 +34,28 @@ from prefixserve.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatMessage,
+    CompletionTokensDetails,
+    Usage,
     random_id,
+)
+from prefixserve.api.reasoning_parsers import (
+    THINK_END,
+    THINK_START,
+    count_reasoning_tokens,
+    reasoning_ahead,
+    reasoning_parser,
+    starts_in_reasoning,
 )
 from prefixserve.api.serving_base import BaseServing, ChoiceDelta, DeltaTracker, usage_of
 from prefixserve.api.structured_outputs import structured_outputs_of
-from prefixserve.api.tool_parsers import (
-    ForcedToolCallDeltas,
-    HermesStreamParser,
-    parse_forced_tool_calls,
-    parse_tool_calls,
-)
+from prefixserve.api.tool_call_parsers import tool_call_parser
+from prefixserve.api.tool_parsers import ForcedToolCallDeltas, parse_forced_tool_calls
 
 from prefixserve.chat_template import render_chat
 from prefixserve.errors import InvalidArgumentError
 from prefixserve.outputs import CompletionOutput, RequestOutput
 from prefixserve.structured_outputs.params import StructuredOutputsParams
+from prefixserve.structured_outputs.tool_call_syntaxes import SYNTAXES
 from prefixserve.structured_outputs.tool_calls import tool_call_params
 
 
@@ -53,11 +66,15 @@ class ChatServing(BaseServing):
         served_model_names: list[str],
         tool_parser: str | None,
         content_format: str = "auto",
+        reasoning_parser: str | None = None,
         **options,
     ) -> None:
         super().__init__(engine, served_model_names, **options)
         self.tool_parser = tool_parser
         self.content_format = content_format
+        self.reasoning_parser = reasoning_parser
+        # forced calls use the parser's syntax where it has one that a grammar can generate
+        self.forced_syntax = tool_parser if tool_parser in SYNTAXES else "hermes"
         texts = {engine.tokenizer.decode([t]) for t in engine.eos_token_ids} - {""}
         self.eos_texts = tuple(sorted(texts, key=len, reverse=True))
 
@@ -101,9 +118,15 @@ class ChatServing(BaseServing):
             )
         return tools, ToolMode.AUTO
 
-    async def _structured_outputs(
-        self, req: ChatCompletionRequest, tools: list[dict] | None, mode: ToolMode
-    ) -> StructuredOutputsParams | None:
+    def _structured_outputs(
+        self,
+        req: ChatCompletionRequest,
+        tools: list[dict] | None,
+        mode: ToolMode,
+        reasoning: tuple[str, str] | None,
+    ) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The request's grammar and the field it came from (a grammar that cannot compile is a
+        400 naming that field, raised when the request is prepared)."""
         structured, source = structured_outputs_of(req)
         if mode in (ToolMode.REQUIRED, ToolMode.NAMED):
             if structured is not None:
@@ -112,13 +135,15 @@ class ChatServing(BaseServing):
                 )
             name = req.tool_choice["function"].get("name") if mode is ToolMode.NAMED else None
             try:
-                structured = tool_call_params(tools or [], name, req.parallel_tool_calls)
+                structured = tool_call_params(
+                    tools or [], name, req.parallel_tool_calls, self.forced_syntax, reasoning
+                )
             except InvalidArgumentError as exc:
                 raise APIError(str(exc), 400, exc.param) from exc
             source = "tool_choice"
-        if structured is not None:
-            await self.check_grammar(structured, source)
-        return structured
+        if structured is not None and reasoning is not None:
+            structured = dataclasses.replace(structured, reasoning=reasoning)
+        return structured, source
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request):
         model = self.check_model(req.model)
@@ -134,23 +159,46 @@ class ChatServing(BaseServing):
                 "tool_choice",
             )
         tools, mode = self._tool_mode(req)
-        structured = await self._structured_outputs(req, tools, mode)
         prompt = await asyncio.to_thread(self._render, req, tools)
+        prompt_tail = self.engine.tokenizer.decode(prompt[-32:])  # where reasoning stands
+        reasoning = self._reasoning_tags(prompt_tail)
+        structured, source = self._structured_outputs(req, tools, mode, reasoning)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = self.make_params(req, max_tokens, logprobs, structured, req.prompt_logprobs)
         if mode is not ToolMode.NONE and hasattr(params, "skip_special_tokens"):
             params.skip_special_tokens = False  # tool-call tags may be special tokens
         request_id = "chatcmpl-" + (req.request_id or random_id(""))
-        streams = await self.add_all(request_id, [prompt], [params], "messages")
+        streams = await self.add_all(request_id, [prompt], [params], "messages", source)
         if req.stream:
-            return self._stream(req, request_id, model, streams, mode)
+            return self._stream(req, request_id, model, streams, mode, tools, prompt_tail)
         final = (await self.collect(raw_request, streams))[0]
-        choices = [self._choice(req, c, mode) for c in final.outputs]
+        choices = [self._choice(req, c, mode, tools, prompt_tail) for c in final.outputs]
+        usage = usage_of([final])
+        if self.reasoning_parser is not None:
+            counts = [self._reasoning_tokens(c.token_ids, ch.message.reasoning_content)
+                      for c, ch in zip(final.outputs, choices)]  # fmt: skip
+            usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=sum(counts))
         return ChatCompletionResponse(
-            id=request_id, model=model, choices=choices, usage=usage_of([final]),
-            **self._extras(req, final),
-        )  # fmt: skip
+            id=request_id, model=model, choices=choices, usage=usage, **self._extras(req, final)
+        )
+
+    def _reasoning_tags(self, prompt_tail: str) -> tuple[str, str] | None:
+        """``StructuredOutputsParams.reasoning`` for this prompt: None when no reasoning comes."""
+        name = self.reasoning_parser
+        if name is None or not reasoning_ahead(name, prompt_tail):
+            return None
+        return ("" if starts_in_reasoning(name, prompt_tail) else THINK_START), THINK_END
+
+    def _reasoning_tokens(self, token_ids: list[int], reasoning: str | None) -> int:
+        return count_reasoning_tokens(self.engine.tokenizer, token_ids, reasoning)
+
+    def _tool_call_parser(self, tools: list[dict] | None, mode: ToolMode):
+        """The registered parser that reads this mode's calls (forced: the forced syntax)."""
+        forced = mode in (ToolMode.REQUIRED, ToolMode.NAMED)
+        return tool_call_parser(
+            self.forced_syntax if forced else self.tool_parser or "hermes", tools
+        )
 
     def _render(self, req: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
         try:
@@ -200,13 +248,23 @@ class ChatServing(BaseServing):
         return c.text
 
     def _choice(
-        self, req: ChatCompletionRequest, c: CompletionOutput, mode: ToolMode
+        self,
+        req: ChatCompletionRequest,
+        c: CompletionOutput,
+        mode: ToolMode,
+        tools: list[dict] | None,
+        prompt_tail: str,
     ) -> ChatChoice:
-        text = self._visible_text(c, mode)
+        text, reasoning = self._visible_text(c, mode), None
+        if self.reasoning_parser is not None:
+            reasoning, text = reasoning_parser(self.reasoning_parser, prompt_tail).extract(text)
+            text = text or ""
         forced = mode in (ToolMode.REQUIRED, ToolMode.NAMED)
         if mode is ToolMode.AUTO:
-            content, calls = parse_tool_calls(text)
+            content, calls = self._tool_call_parser(tools, mode).parse(text)
             calls = calls if req.parallel_tool_calls else calls[:1]
+        elif forced and self.forced_syntax != "hermes":
+            content, calls = None, self._tool_call_parser(tools, mode).parse(text)[1]
         elif forced:
             content, calls = None, parse_forced_tool_calls(text)
         else:
@@ -216,7 +274,7 @@ class ChatServing(BaseServing):
             content = self._echo(req) + (content or "")
         return ChatChoice(
             index=c.index,
-            message=ChatMessage(content=content, tool_calls=calls),
+            message=ChatMessage(content=content, reasoning_content=reasoning, tool_calls=calls),
             logprobs=lps,
             finish_reason=_finish_reason(c.finish_reason, mode, bool(calls)),
             stop_reason=c.stop_reason,
@@ -240,13 +298,20 @@ class ChatServing(BaseServing):
             )
         return {"content": content}
 
-    def _stream(self, req, request_id: str, model: str, streams, mode: ToolMode):
+    def _stream(
+        self, req, request_id: str, model: str, streams, mode: ToolMode, tools, prompt_tail
+    ):
         base = {"id": request_id, "object": "chat.completion.chunk", "model": model}
         tracker = DeltaTracker()
-        forced = mode in (ToolMode.REQUIRED, ToolMode.NAMED)
+        any_forced = mode in (ToolMode.REQUIRED, ToolMode.NAMED)
+        forced = any_forced and self.forced_syntax == "hermes"  # hermes' own call deltas
         parsers = {
-            i: ForcedToolCallDeltas() if forced else HermesStreamParser() for i in range(req.n)
+            i: ForcedToolCallDeltas() if forced else self._tool_call_parser(tools, mode).stream()
+            for i in range(req.n)
         }
+        reasoners = {i: reasoning_parser(self.reasoning_parser, prompt_tail)
+                     for i in range(req.n)} if self.reasoning_parser else {}  # fmt: skip
+        reasoning_tokens: dict[int, int] = {}
         echo = self._echo(req)
         sent_extras = False
 
@@ -256,21 +321,26 @@ class ChatServing(BaseServing):
 
         def message_deltas(d: ChoiceDelta) -> list[dict]:
             """The choice's new message parts: content first, then at most one tool-call
-            entry per delta (OpenAI and vLLM send one per chunk)."""
+            entry per delta (OpenAI and vLLM send one per chunk); reasoning before all."""
+            text, head = d.text, []
+            if reasoners:
+                reasoning, text = reasoners[d.index].feed(text, final=d.finish_reason is not None)
+                head = [{"reasoning_content": reasoning}] if reasoning else []
             if mode is ToolMode.NONE:
-                text = (echo if d.first else "") + d.text
-                return [{"content": text}] if text else []
+                text = (echo if d.first else "") + text
+                return head + ([{"content": text}] if text else [])
             parser, content = parsers[d.index], ""
             if forced:
-                entries = parser.feed(d.text)
+                entries = parser.feed(text)
             else:
-                content, calls = parser.feed(d.text, final=d.finish_reason is not None)
+                content, calls = parser.feed(text, final=d.finish_reason is not None)
+                content = "" if any_forced else content
                 first = len(parser.calls) - len(calls)
                 entries = [{"index": first + k, **call.model_dump()}
                            for k, call in enumerate(calls)
                            if req.parallel_tool_calls or first + k == 0]  # fmt: skip
             deltas = [{"content": content}] if content else []
-            return deltas + [{"tool_calls": [entry]} for entry in entries]
+            return head + deltas + [{"tool_calls": [entry]} for entry in entries]
 
         def events(_: int, out: RequestOutput) -> Iterator[dict]:
             nonlocal sent_extras
@@ -289,6 +359,9 @@ class ChatServing(BaseServing):
                 reason = d.finish_reason
                 if reason is not None:
                     reason = _finish_reason(reason, mode, parsers[d.index].has_calls)
+                    if reasoners:
+                        reasoning = "" if reasoners[d.index].has_reasoning else None
+                        reasoning_tokens[d.index] = self._reasoning_tokens(c.token_ids, reasoning)
                 for k, delta in enumerate(deltas):  # logprobs first, the finish reason last
                     last = k == len(deltas) - 1
                     part_lps, part_reason = (lps if k == 0 else None), (reason if last else None)
@@ -304,7 +377,17 @@ class ChatServing(BaseServing):
 
         roles = [{"choices": [choice(i, {"role": "assistant", "content": ""})]}
                  for i in range(req.n)]  # fmt: skip
-        return self.stream(streams, base, events, req.stream_options, first_chunks=roles)
+
+        def usage_details(usage: Usage) -> Usage:
+            if reasoners:
+                details = CompletionTokensDetails(reasoning_tokens=sum(reasoning_tokens.values()))
+                usage.completion_tokens_details = details
+            return usage
+
+        return self.stream(
+            streams, base, events, req.stream_options, first_chunks=roles,
+            usage_details=usage_details,
+        )  # fmt: skip
 
 
 class ToolMode(enum.Enum):

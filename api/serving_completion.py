@@ -32,14 +32,12 @@ class CompletionServing(BaseServing):
         check_supported(req, "completions")
         prompts = await asyncio.to_thread(self._prompt_ids, req.prompt, req.add_special_tokens)
         structured, source = structured_outputs_of(req)
-        if structured is not None:
-            await self.check_grammar(structured, source)
         params = [
             self.make_params(req, req.max_tokens, req.logprobs, structured, _prompt_k(req))
             for _ in prompts
         ]
         request_id = random_id("cmpl-")
-        streams = await self.add_all(request_id, prompts, params, "prompt")
+        streams = await self.add_all(request_id, prompts, params, "prompt", source)
         if req.stream:
             return self._stream(req, request_id, model, streams)
         finals = await self.collect(raw_request, streams)

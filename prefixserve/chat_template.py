@@ -14,10 +14,16 @@ audio, files) are refused: the models served here read text only.
 The template renders text, which is then tokenized without adding special tokens (the template
 writes BOS itself) unless ``add_special_tokens``. ``continue_final_message`` leaves the final
 assistant message open so the model continues it; it excludes ``add_generation_prompt``.
+
+Tool calls in assistant messages carry ``arguments`` as the JSON text OpenAI clients send back.
+Templates that test ``arguments is string`` (hermes, Qwen) write it verbatim; the others (Llama,
+Mistral, Qwen3-Coder) iterate or ``tojson`` it, so for them it is parsed into a dict first, as
+vLLM does. Either way a call generated in the template's syntax re-renders byte for byte.
 """
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from typing import Any
 
@@ -67,6 +73,8 @@ def render_chat(
     if fmt == "auto":
         fmt = detect_content_format(template) if isinstance(template, str) else "string"
     conversation = [_normalize(i, m, fmt) for i, m in enumerate(messages)]
+    if isinstance(template, str) and not takes_string_arguments(template):
+        conversation = [_parsed_arguments(m) for m in conversation]
     kwargs = dict(chat_template_kwargs or {})
     try:
         text = tokenizer.apply_chat_template(
@@ -106,6 +114,50 @@ def _normalize(index: int, message: dict[str, Any], fmt: str) -> dict[str, Any]:
     if fmt == "string":
         return {**message, "content": "\n".join(texts)}
     return {**message, "content": [{"type": "text", "text": t} for t in texts]}
+
+
+def _parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    """The message with its tool calls' JSON-object ``arguments`` strings parsed into dicts, and
+    ``name`` before ``arguments`` (templates that ``tojson`` the function, as Mistral's, write
+    the keys in order; the openai SDK's ``model_dump`` puts ``arguments`` first)."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list) or not calls:
+        return message
+    parsed = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            try:
+                value = json.loads(arguments)
+            except ValueError:
+                value = None
+            if isinstance(value, dict):  # name first, as OpenAI documents it (clients vary)
+                ordered = {"name": function.get("name"), "arguments": value, **function}
+                call = {**call, "function": {**ordered, "arguments": value}}
+        parsed.append(call)
+    return {**message, "tool_calls": parsed}
+
+
+@lru_cache(maxsize=32)
+def takes_string_arguments(template: str) -> bool:
+    """Whether the template tests ``... .arguments is string`` (so it renders JSON text)."""
+    try:
+        ast = jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return True
+    return any(
+        test.name == "string" and _is_attr(test.node, "arguments")
+        for test in ast.find_all(jinja2.nodes.Test)
+    )
+
+
+def _is_attr(node: jinja2.nodes.Node, name: str) -> bool:
+    if isinstance(node, jinja2.nodes.Getattr):
+        return node.attr == name
+    if isinstance(node, jinja2.nodes.Getitem):
+        return isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == name
+    return False
 
 
 def _part_text(index: int, j: int, part: Any) -> str:

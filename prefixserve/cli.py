@@ -87,9 +87,16 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--tool-call-parser",
-        choices=["hermes"],
+        choices=["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"],
         default=None,
-        help="parse <tool_call> output into message.tool_calls",
+        help="the model family's tool-call syntax: parse it into message.tool_calls (auto) and "
+        "generate forced calls in it",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=["deepseek_r1", "qwen3"],
+        default=None,
+        help="split <think>...</think> into reasoning_content; grammars apply after it",
     )
     from prefixserve.api.server import (
         DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -141,6 +148,7 @@ def run_serve(args: argparse.Namespace) -> int:
         served_model_names=list(args.served_model_name or []),
         api_key=args.api_key or None,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         max_waiting_requests=args.max_waiting_requests,
         max_request_body_bytes=args.max_request_body_bytes,
         request_timeout=args.request_timeout,

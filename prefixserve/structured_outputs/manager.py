@@ -34,6 +34,7 @@ from prefixserve.structured_outputs.grammar import Grammar
 from prefixserve.structured_outputs.json_grammar import ANY_OBJECT, json_schema_ebnf
 from prefixserve.structured_outputs.params import StructuredOutputsParams, canonical_json
 from prefixserve.structured_outputs.structural_tag import xgrammar_structural_tag
+from prefixserve.structured_outputs.tool_call_syntaxes import MARKER_TOKENS
 from prefixserve.structured_outputs.tool_calls import tool_call_structural_tag
 
 # xgrammar's messages start with a log prefix: "[23:51:11] /project/cpp/x.cc:94: Check failed: ..."
@@ -82,8 +83,8 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="structured-outputs")
         self._batch_matcher: xgr.BatchGrammarMatcher | None = None
         self._lock = threading.Lock()  # guards everything below
-        self._cache: OrderedDict[tuple[str, str], Future[xgr.CompiledGrammar]] = OrderedDict()
-        self._cached_sizes: dict[tuple[str, str], int] = {}  # compiled (not in-flight) entries
+        self._cache: OrderedDict[tuple[str, ...], Future[xgr.CompiledGrammar]] = OrderedDict()
+        self._cached_sizes: dict[tuple[str, ...], int] = {}  # compiled (not in-flight) entries
         self._cache_limit_bytes = cache_limit_bytes
         self.compile_seconds = CompileHistogram()
         self.num_compiles = 0
@@ -138,7 +139,7 @@ class StructuredOutputManager:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _compile(
-        self, key: tuple[str, str], params: StructuredOutputsParams
+        self, key: tuple[str, ...], params: StructuredOutputsParams
     ) -> xgr.CompiledGrammar:
         """Runs on a pool thread."""
         start = time.perf_counter()
@@ -159,18 +160,18 @@ class StructuredOutputManager:
         return compiled
 
     def _build(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        if params.reasoning is not None:
+            return self._compiler.compile_structural_tag(_after_reasoning(params))
         compiler, kind = self._compiler, params.kind
         if kind in ("json", "json_object"):
-            schema = params.key[1] if kind == "json" else ANY_OBJECT
+            schema = params.inner_key[1] if kind == "json" else ANY_OBJECT
             return compiler.compile_grammar(json_schema_ebnf(schema))
         if kind == "regex":
-            return compiler.compile_regex(params.key[1])
+            return compiler.compile_regex(params.inner_key[1])
         if kind == "choice":
-            # JSON string escapes are also EBNF string-literal escapes.
-            literals = (canonical_json(c) for c in params.choice or ())
-            return compiler.compile_grammar("root ::= " + " | ".join(literals))
+            return compiler.compile_grammar(_choice_ebnf(params))
         if kind == "grammar":
-            return compiler.compile_grammar(params.key[1])
+            return compiler.compile_grammar(params.inner_key[1])
         if kind == "structural_tag":
             return compiler.compile_structural_tag(
                 xgrammar_structural_tag(params.structural_tag_spec)
@@ -187,6 +188,32 @@ class StructuredOutputManager:
             if key in self._cached_sizes:
                 total -= self._cached_sizes.pop(key)
                 del self._cache[key]
+
+
+def _choice_ebnf(params: StructuredOutputsParams) -> str:
+    # JSON string escapes are also EBNF string-literal escapes.
+    return "root ::= " + " | ".join(canonical_json(c) for c in params.choice or ())
+
+
+def _after_reasoning(params: StructuredOutputsParams) -> dict[str, Any]:
+    """A structural tag: the reasoning block (``params.reasoning``), newlines, then the kind."""
+    assert params.reasoning is not None
+    begin, end = params.reasoning
+    kind, text = params.inner_key
+    if kind == "tool_calls":
+        assert params.tool_calls is not None
+        inner = tool_call_structural_tag(params.tool_calls)["format"]
+    elif kind == "regex":
+        inner = {"type": "regex", "pattern": text}
+    else:
+        grammar = {"json": lambda: json_schema_ebnf(text),
+                   "json_object": lambda: json_schema_ebnf(ANY_OBJECT),
+                   "choice": lambda: _choice_ebnf(params), "grammar": lambda: text}[kind]()  # fmt: skip
+        inner = {"type": "grammar", "grammar": grammar}
+    think = {"type": "tag", "begin": begin, "content": {"type": "any_text"}, "end": end}
+    newlines = {"type": "grammar", "grammar": 'root ::= "\\n"*'}
+    return {"type": "structural_tag", "format": {"type": "sequence",
+                                                 "elements": [think, newlines, inner]}}  # fmt: skip
 
 
 class CompileHistogram:
@@ -216,7 +243,9 @@ def build_tokenizer_info(
 
     xgrammar only treats empty tokens as special, so ``<|im_start|>`` would count as the text
     "<|im_start|>". Special tokens (BOS, EOS, ChatML markers, ...) are blanked here: they can
-    never be matched as text, and the stop tokens among them stay allowed at the end.
+    never be matched as text, and the stop tokens among them stay allowed at the end. The
+    exception is a tool-call marker (``MARKER_TOKENS``, e.g. Mistral's ``[TOOL_CALLS]``): a forced
+    call writes it as the one token its template renders, so the next turn hits the cache.
     """
     stop = list(stop_token_ids) if stop_token_ids is not None else None
     detected = xgr.TokenizerInfo.from_huggingface(
@@ -224,6 +253,7 @@ def build_tokenizer_info(
     )
     special = set(tokenizer.all_special_ids)
     special.update(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
+    special -= {i for i, t in tokenizer.added_tokens_decoder.items() if t.content in MARKER_TOKENS}
     encoded_vocab = [""] * vocab_size
     for token, token_id in tokenizer.get_vocab().items():
         if token_id < vocab_size and token_id not in special:

@@ -36,12 +36,14 @@ class ToolCallSpec:
 
     ``functions`` holds ``(name, parameters)`` pairs: ``parameters`` is the function's JSON schema
     as ``canonical_json`` text, or None for a function that takes no parameters (its arguments
-    are exactly ``{}``). ``parallel`` allows one or more
-    calls; otherwise exactly one call is generated.
+    are exactly ``{}``). ``parallel`` allows one or more calls; otherwise exactly one call is
+    generated. ``syntax``: the family's tool-call syntax (``tool_call_syntaxes.SYNTAXES``; hermes
+    by default).
     """
 
     functions: tuple[tuple[str, str | None], ...]
     parallel: bool
+    syntax: str = "hermes"
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +56,10 @@ class StructuredOutputsParams:
     text with constrained tagged regions, a dict or its JSON text (see ``structural_tag``).
     ``tool_calls``: the chat template's tool-call syntax (internal; see
     ``tool_calls.tool_call_params``).
+
+    ``reasoning``: ``(begin, end)`` when the output first holds a reasoning block: ``begin``,
+    any text without ``end``, ``end``, then newlines; what the kind constrains starts after it
+    (as vLLM applies grammars after the reasoning). Not a kind: it goes with any one of them.
     """
 
     json: dict[str, Any] | str | None = None
@@ -63,6 +69,7 @@ class StructuredOutputsParams:
     json_object: bool = False
     structural_tag: dict[str, Any] | str | None = None
     tool_calls: ToolCallSpec | None = None
+    reasoning: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.json_object, bool):
@@ -74,6 +81,13 @@ class StructuredOutputsParams:
                 f"Set exactly one of structured_outputs.{{{', '.join(_KINDS[:-1])}}}; got {found}."
             )
         _CHECKS[given[0]](getattr(self, given[0]))
+        if self.reasoning is not None and not (
+            isinstance(self.reasoning, tuple)
+            and len(self.reasoning) == 2
+            and all(isinstance(t, str) for t in self.reasoning)
+            and self.reasoning[1]
+        ):
+            raise _invalid("structured_outputs.reasoning must be a (begin, end) pair of strings.")
 
     @property
     def kind(self) -> str:
@@ -82,8 +96,15 @@ class StructuredOutputsParams:
         return next(k for k in _KINDS if _is_set(getattr(self, k)))
 
     @property
-    def key(self) -> tuple[str, str]:
-        """``(kind, canonical text)``: the compile-cache key."""
+    def key(self) -> tuple[str, ...]:
+        """``(kind, canonical text)``, plus the reasoning tags when set: the compile-cache key."""
+        if self.reasoning is not None:
+            return (*self.inner_key, *self.reasoning)
+        return self.inner_key
+
+    @property
+    def inner_key(self) -> tuple[str, str]:
+        """``(kind, canonical text)`` of what the kind constrains."""
         kind = self.kind
         if kind == "json":
             return kind, canonical_json(self.json_schema)
@@ -94,7 +115,9 @@ class StructuredOutputsParams:
         if kind == "tool_calls":
             spec = self.tool_calls
             assert spec is not None
-            return kind, canonical_json([spec.functions, spec.parallel])
+            if spec.syntax == "hermes":
+                return kind, canonical_json([spec.functions, spec.parallel])
+            return kind, canonical_json([spec.functions, spec.parallel, spec.syntax])
         if kind == "json_object":
             return kind, ""
         return kind, getattr(self, kind)

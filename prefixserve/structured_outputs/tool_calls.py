@@ -6,8 +6,8 @@ content is empty and which calls tools as::
     <tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>\\n<tool_call>\\n{"name": ...
 
 with ``ARGS`` the arguments string verbatim (or ``tojson`` of a dict) and a newline between
-calls, as hermes-style templates (Qwen 2.5 and 3) write them. For a template with another
-tool-call syntax, this form is the documented default.
+calls, as hermes-style templates (Qwen 2.5 and 3) write them. Other families' syntaxes
+(``ToolCallSpec.syntax``, chosen by ``--tool-call-parser``) are in ``tool_call_syntaxes``.
 The grammar generates exactly these bytes: the name is a literal, ``ARGS`` is JSON in the format
 of ``json_grammar``. So when the client sends the call back (OpenAI clients return the
 ``arguments`` string unchanged), the next turn's prompt contains the generated text byte for byte
@@ -27,20 +27,27 @@ from prefixserve.structured_outputs.params import (
     ToolCallSpec,
     canonical_json,
 )
+from prefixserve.structured_outputs.tool_call_syntaxes import check_function, syntax_format
 
 CALL_SEPARATOR = "\n"  # between calls, as the template renders them (see above)
 NO_ARGUMENTS_EBNF = 'root ::= "{}"'  # a function without parameters takes none (OpenAI)
 
 
 def tool_call_params(
-    tools: list[dict[str, Any]], name: str | None, parallel: bool
+    tools: list[dict[str, Any]],
+    name: str | None,
+    parallel: bool,
+    syntax: str = "hermes",
+    reasoning: tuple[str, str] | None = None,
 ) -> StructuredOutputsParams:
     """Params that force tool calls of ``tools`` (OpenAI tool definitions).
 
     ``name`` given: exactly one call of that function. ``name`` None (``tool_choice`` "required"):
     one call of any listed function, or one or more calls when ``parallel``. Each call's arguments
     match the function's ``parameters`` schema; missing or empty ``parameters`` mean a function
-    that takes no parameters, called with exactly ``{}`` (OpenAI's definition).
+    that takes no parameters, called with exactly ``{}`` (OpenAI's definition). ``syntax``: the
+    family's (``tool_call_syntaxes``); ``reasoning``: a reasoning block first
+    (``StructuredOutputsParams.reasoning``).
     """
     functions = [_function(tool) for tool in tools]
     if not functions:
@@ -57,7 +64,10 @@ def tool_call_params(
                 param="tool_choice",
             )
         functions, parallel = chosen[:1], False
-    return StructuredOutputsParams(tool_calls=ToolCallSpec(tuple(functions), parallel))
+    for function_name, parameters in functions:
+        check_function(syntax, function_name, parameters)
+    spec = ToolCallSpec(tuple(functions), parallel, syntax)
+    return StructuredOutputsParams(tool_calls=spec, reasoning=reasoning)
 
 
 def tool_call_structural_tag(spec: ToolCallSpec) -> dict[str, Any]:
@@ -65,6 +75,11 @@ def tool_call_structural_tag(spec: ToolCallSpec) -> dict[str, Any]:
 
     Raises RuntimeError (from xgrammar) when a ``parameters`` schema cannot be converted.
     """
+    if spec.syntax != "hermes":
+        return {
+            "type": "structural_tag",
+            "format": syntax_format(spec.syntax, spec.functions, spec.parallel),
+        }
     tags = [
         {
             "type": "tag",

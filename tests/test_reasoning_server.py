@@ -1,0 +1,118 @@
+"""``--reasoning-parser`` end to end: real ``prefixserve serve`` processes of tiny random
+checkpoints carrying DeepSeek-R1's and Qwen3's real chat templates, driven by the ``openai``
+client. ``logit_bias`` on ``</think>`` makes the random model end its reasoning soon."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from families import family_checkpoint, family_tokenizer
+from servers import server_process
+
+USER = [{"role": "user", "content": "Is 7 prime?"}]
+ANSWER = {
+    "type": "object",
+    "properties": {"prime": {"type": "boolean"}, "n": {"enum": [7]}},
+    "required": ["prime", "n"],
+}
+PICK = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"]}
+TOOLS = [{"type": "function", "function": {"name": "pick", "parameters": PICK}}]
+
+
+def _serve(family: str, tmp_path_factory, *extra: str):
+    folder = family_checkpoint(family, tmp_path_factory.mktemp(family))
+    end = family_tokenizer(family).convert_tokens_to_ids("</think>")
+    args = ("--model", str(folder), "--served-model-name", "m", "--reasoning-parser", family,
+            "--max-model-len", "4096", *extra)  # fmt: skip
+    return server_process(*args), {str(end): 6.0}
+
+
+@pytest.fixture(scope="module")
+def r1(tmp_path_factory):
+    context, bias = _serve("deepseek_r1", tmp_path_factory)
+    with context as (_, base):
+        yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0), bias
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    context, bias = _serve("qwen3", tmp_path_factory, "--tool-call-parser", "hermes")
+    with context as (_, base):
+        yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0), bias
+
+
+def _stream(client, **kwargs) -> tuple[str, str, list, dict]:
+    """(reasoning, content, [(name, arguments)], usage) of a streamed request."""
+    reasoning = content = ""
+    calls: dict[int, dict] = {}
+    usage = None
+    for chunk in client.chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kwargs
+    ):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
+                entry["name"] += call.function.name or ""
+                entry["arguments"] += call.function.arguments or ""
+    listed = [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
+    return reasoning, content, listed, usage
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_r1_reasoning_is_split_streamed_as_whole_and_counted(r1, seed):
+    client, bias = r1
+    kwargs = dict(model="m", messages=USER, max_tokens=40, temperature=1.0, seed=seed,
+                  logit_bias=bias)  # fmt: skip
+    whole = client.chat.completions.create(**kwargs, extra_body={"return_token_ids": True})
+    message, ids = whole.choices[0].message, whole.choices[0].token_ids
+    end = int(next(iter(bias)))
+    assert end in ids  # the bias worked: the reasoning closed
+    assert message.reasoning_content is not None and "</think>" not in message.reasoning_content
+    assert whole.usage.completion_tokens_details.reasoning_tokens == ids.index(end) + 1
+    reasoning, content, _, usage = _stream(client, **kwargs)
+    assert reasoning == message.reasoning_content
+    assert (content or None) == message.content
+    assert usage.completion_tokens_details.reasoning_tokens == ids.index(end) + 1
+
+
+def test_r1_json_schema_applies_after_the_reasoning(r1):
+    client, bias = r1
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+    for seed in (3, 4):
+        kwargs = dict(model="m", messages=USER, max_tokens=60, temperature=1.0, seed=seed,
+                      logit_bias=bias, response_format=fmt)  # fmt: skip
+        message = client.chat.completions.create(**kwargs).choices[0].message
+        assert message.reasoning_content is not None
+        jsonschema.validate(json.loads(message.content), ANSWER)
+
+
+def test_qwen3_forced_call_comes_after_the_reasoning(qwen3):
+    client, bias = qwen3
+    kwargs = dict(model="m", messages=USER, tools=TOOLS, tool_choice="required",
+                  parallel_tool_calls=False, max_tokens=60, temperature=1.0, seed=5,
+                  logit_bias=bias)  # fmt: skip
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+    assert whole.finish_reason == "tool_calls" and calls[0][0] == "pick"
+    assert whole.message.reasoning_content is not None and whole.message.content is None
+    reasoning, content, streamed_calls, usage = _stream(client, **kwargs)
+    assert (reasoning, content, streamed_calls) == (whole.message.reasoning_content, "", calls)
+    assert usage.completion_tokens_details.reasoning_tokens > 0
+
+
+def test_qwen3_thinking_off_has_no_reasoning(qwen3):
+    client, _ = qwen3
+    first = client.chat.completions.create(
+        model="m", messages=USER, tools=TOOLS, tool_choice="required", max_tokens=60,
+        parallel_tool_calls=False, temperature=1.0, seed=6,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )  # fmt: skip
+    choice = first.choices[0]
+    assert choice.message.reasoning_content is None and choice.message.tool_calls
+    assert first.usage.completion_tokens_details.reasoning_tokens == 0
