@@ -1,0 +1,352 @@
+"""POST /v1/responses (OpenAI's Responses API) and its stored responses: GET, DELETE and
+input_items of /v1/responses/{id}.
+
+A request becomes one engine request through the chat endpoint's machinery: its items become
+chat messages (``responses_items``), rendered by the chat template with its function tools;
+``tool_choice`` picks the chat endpoint's ``ToolMode`` (forced calls are grammar-constrained to
+each tool's ``parameters``); ``text.format`` is a structured output. With
+``previous_response_id`` the prompt is the stored response's own token ids plus the new items'
+tokens, verified against the template (``responses_continuation``). Output text becomes typed
+output items and stream events (``responses_output``).
+
+A stored response (``store``, the default) is written before ``response.completed`` is sent, so
+a client may continue it at once. Everything is keyed by tenant (``tenant_of``: the API key and
+``cache_salt``); ``store: false`` keeps nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from array import array
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from prefixserve.api.async_engine import AsyncEngine, RequestStream
+from prefixserve.api.protocol import APIError, _SamplingFields, random_id
+from prefixserve.api.protocol_responses import ResponsesRequest, check_supported
+from prefixserve.api.responses_continuation import Prompt, continue_prompt, render_prompt
+from prefixserve.api.responses_items import chat_tools, normalize_input, to_messages
+from prefixserve.api.responses_output import ResponseOutput
+from prefixserve.api.responses_store import ResponseStore, StoredResponse, tenant_of
+from prefixserve.api.serving_base import BaseServing, DeltaTracker, merge
+from prefixserve.api.serving_chat import ToolMode
+
+from prefixserve.chat_template import render_chat_text
+from prefixserve.errors import InvalidArgumentError
+from prefixserve.outputs import CompletionOutput, RequestOutput
+from prefixserve.structured_outputs.params import StructuredOutputsParams
+from prefixserve.structured_outputs.tool_calls import tool_call_params
+
+logger = logging.getLogger(__name__)
+LOGPROBS = "message.output_text.logprobs"
+
+
+class ResponsesServing(BaseServing):
+    """``continuations`` counts requests that named a previous response, by how their prompt was
+    built: ``token_exact`` (spliced) or ``rerendered`` (the template rewrote history)."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        served_model_names: list[str],
+        tool_parser: str | None,
+        store: ResponseStore,
+        content_format: str = "auto",
+        **options,
+    ) -> None:
+        super().__init__(engine, served_model_names, **options)
+        self.tool_parser = tool_parser
+        self.store = store
+        self.content_format = content_format
+        self.continuations = {"token_exact": 0, "rerendered": 0}
+        texts = {engine.tokenizer.decode([t]) for t in engine.eos_token_ids} - {""}
+        self.eos_texts = tuple(sorted(texts, key=len, reverse=True))
+
+    # -- the stored responses ------------------------------------------------------------------
+
+    def lookup(self, raw_request: Request, response_id: str, cache_salt: str | None,
+               param: str | None = None) -> StoredResponse:  # fmt: skip
+        """The caller's stored response ``response_id``, or a 404."""
+        tenant = tenant_of(raw_request.headers.get("authorization"), cache_salt)
+        entry = self.store.get(tenant, response_id)
+        if entry is None:
+            raise APIError(f"Response with id '{response_id}' not found.", 404, param)
+        return entry
+
+    def delete(self, raw_request: Request, response_id: str, cache_salt: str | None) -> dict:
+        self.lookup(raw_request, response_id, cache_salt)
+        tenant = tenant_of(raw_request.headers.get("authorization"), cache_salt)
+        self.store.delete(tenant, response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    def input_items(self, entry: StoredResponse, limit: int, order: str, after: str | None) -> dict:
+        """OpenAI's list page of a response's input items (``order`` "desc" is newest first)."""
+        if order not in ("asc", "desc") or not 1 <= limit <= 100:
+            raise APIError("order: 'asc' or 'desc'; limit: 1 to 100", 400, "order")
+        items = entry.items if order == "asc" else entry.items[::-1]
+        if after is not None:
+            ids = [item.get("id") for item in items]
+            if after not in ids:
+                raise APIError(f"after: no input item with id {after!r}", 400, "after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return {"object": "list", "data": page, "has_more": len(items) > limit,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None}  # fmt: skip
+
+    # -- POST /v1/responses --------------------------------------------------------------------
+
+    async def create(self, req: ResponsesRequest, raw_request: Request):
+        model = self.check_model(req.model)
+        check_supported(req)
+        tenant = tenant_of(raw_request.headers.get("authorization"), req.cache_salt)
+        prev = None
+        if req.previous_response_id is not None:
+            prev = self.lookup(raw_request, req.previous_response_id, req.cache_salt,
+                               "previous_response_id")  # fmt: skip
+        new_items = normalize_input(req.input)
+        history = prev.items + prev.output_items if prev else []
+        tools = chat_tools(req.tools)
+        mode = self._tool_mode(req, tools)
+        structured, fmt = self._structured_outputs(req, tools, mode)
+        if structured is not None:
+            await self.check_grammar(structured, "tool_choice" if fmt is None else "text")
+        prompt = await asyncio.to_thread(self._prompt, req, prev, history + new_items, tools)
+        logprobs = (req.top_logprobs or 0) if LOGPROBS in (req.include or []) else None
+        sampling = _SamplingFields(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                                   cache_salt=req.cache_salt)  # fmt: skip
+        params = self.make_params(sampling, req.max_output_tokens, logprobs, structured)
+        if mode is not ToolMode.NONE:
+            params.skip_special_tokens = False  # tool-call tags may be special tokens
+        response_id = random_id("resp_")
+        streams = await self.add_all(response_id, [prompt.token_ids], [params], "input")
+        turn = _Turn(self, req, response_id, model, tenant, history + new_items, prompt, mode, fmt)
+        if req.stream:
+            return turn.stream(streams)
+        final = (await self.collect(raw_request, streams))[0]
+        c = final.outputs[0]
+        output = ResponseOutput(mode, with_logprobs=logprobs is not None)
+        output.feed(self._visible_text(c, mode), self._logprobs(req, c.logprobs, c.token_ids),
+                    final=True)  # fmt: skip
+        output.finish(_status(c))
+        return turn.complete(final, output)
+
+    def _prompt(self, req: ResponsesRequest, prev: StoredResponse | None,
+                items: list[dict], tools: list[dict] | None) -> Prompt:  # fmt: skip
+        messages = to_messages(items)
+        if req.instructions:
+            messages.insert(0, {"role": "system", "content": req.instructions})
+        if not messages:
+            raise APIError("input: give at least one item (or instructions)", 400, "input")
+        try:
+            text = render_chat_text(self.engine.tokenizer, messages, tools=tools,
+                                    content_format=self.content_format)  # fmt: skip
+        except InvalidArgumentError as exc:
+            raise APIError(str(exc), 400, "input") from exc
+        if prev is None:
+            return render_prompt(self.engine.tokenizer, text)
+        prompt = continue_prompt(
+            self.engine.tokenizer, prev.prompt_text, prev.prompt_token_ids,
+            prev.output_token_ids, text, self.engine.eos_token_ids,
+        )  # fmt: skip
+        self.continuations["token_exact" if prompt.token_exact else "rerendered"] += 1
+        return prompt
+
+    def _tool_mode(self, req: ResponsesRequest, tools: list[dict] | None) -> ToolMode:
+        choice = req.tool_choice
+        named = isinstance(choice, dict)
+        if named and (choice.get("type") != "function" or not isinstance(choice.get("name"), str)):
+            raise APIError(
+                'tool_choice: the supported object is {"type": "function", "name": ...}',
+                400,
+                "tool_choice",
+            )
+        if not named and choice not in ("none", "auto", "required"):
+            raise APIError(
+                f"tool_choice: {choice!r} is not supported; use 'none', 'auto', 'required' or "
+                '{"type": "function", "name": ...}',
+                400,
+                "tool_choice",
+            )
+        if not tools:
+            if named or choice == "required":
+                raise APIError(f"tool_choice: {choice!r} needs tools", 400, "tool_choice")
+            return ToolMode.NONE
+        if choice == "none":
+            return ToolMode.NONE
+        if named or choice == "required":
+            return ToolMode.NAMED if named else ToolMode.REQUIRED
+        if self.tool_parser is None:
+            raise APIError(
+                "tool_choice: 'auto' with tools requires the server to run with "
+                "--tool-call-parser (or force a call with 'required' or a named function)",
+                400,
+                "tool_choice",
+            )
+        return ToolMode.AUTO
+
+    def _structured_outputs(
+        self, req: ResponsesRequest, tools: list[dict] | None, mode: ToolMode
+    ) -> tuple[StructuredOutputsParams | None, dict | None]:
+        """(params, the ``text.format`` they came from; None for forced tool calls). A forced
+        call writes no message text, so ``text.format`` applies to later turns only."""
+        try:
+            if mode in (ToolMode.REQUIRED, ToolMode.NAMED):
+                name = req.tool_choice["name"] if mode is ToolMode.NAMED else None
+                return tool_call_params(tools or [], name, req.parallel_tool_calls), None
+            fmt = (req.text or {}).get("format") or {"type": "text"}
+            kind = fmt.get("type")
+            if kind == "text":
+                return None, fmt
+            if kind == "json_object":
+                return StructuredOutputsParams(json_object=True), fmt
+            if kind == "json_schema" and isinstance(fmt.get("schema"), (dict, bool)):
+                return StructuredOutputsParams(json=fmt["schema"]), fmt
+        except InvalidArgumentError as exc:
+            raise APIError(str(exc), 400, exc.param) from exc
+        raise APIError(
+            "text.format: use {'type': 'text'}, {'type': 'json_object'} or {'type': "
+            "'json_schema', 'name': ..., 'schema': {...}}",
+            400,
+            "text",
+        )
+
+    def _visible_text(self, c: CompletionOutput, mode: ToolMode) -> str:
+        """The output text, less the EOS text that tool modes keep (special tokens shown)."""
+        if mode is not ToolMode.NONE and c.finish_reason == "stop":
+            for eos in self.eos_texts:
+                if c.text.endswith(eos):
+                    return c.text[: -len(eos)]
+        return c.text
+
+    def _logprobs(self, req: ResponsesRequest, entries: list[dict[int, float]] | None,
+                  token_ids: list[int]) -> list[dict] | None:  # fmt: skip
+        """OpenAI's ``logprobs`` of output text: per token its text, bytes, logprob and the top
+        ``top_logprobs``."""
+        if entries is None:
+            return None
+
+        def item(token_id: int, logprob: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        k = req.top_logprobs or 0
+        out = []
+        for entry, token in zip(entries, token_ids):
+            top = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:k]
+            out.append({**item(token, entry[token]), "top_logprobs": [item(*t) for t in top]})
+        return out
+
+
+class _Turn:
+    """One request's response: its body at each stage, its stream, and what the store keeps."""
+
+    def __init__(self, serving: ResponsesServing, req: ResponsesRequest, response_id: str,
+                 model: str, tenant: str, items: list[dict], prompt: Prompt, mode: ToolMode,
+                 fmt: dict | None) -> None:  # fmt: skip
+        self.serving, self.req, self.id, self.model = serving, req, response_id, model
+        self.tenant, self.items, self.prompt, self.mode, self.fmt = tenant, items, prompt, mode, fmt
+        self.created_at = int(time.time())
+
+    def body(self, status: str, output: list[dict], usage: dict | None = None,
+             **extra: Any) -> dict:  # fmt: skip
+        req = self.req
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at,
+            "status": status, "background": False, "error": None, "incomplete_details": None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "max_tool_calls": None, "model": self.model, "output": output,
+            "parallel_tool_calls": req.parallel_tool_calls,
+            "previous_response_id": req.previous_response_id,
+            "prompt_cache_key": req.prompt_cache_key, "reasoning": None,
+            "safety_identifier": req.safety_identifier, "service_tier": "default",
+            "store": req.store, "temperature": 1.0 if req.temperature is None else req.temperature,
+            "text": {"format": self.fmt or {"type": "text"}}, "tool_choice": req.tool_choice,
+            "tools": req.tools or [], "top_logprobs": req.top_logprobs or 0,
+            "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled",
+            "usage": usage, "user": req.user, "metadata": req.metadata or {}, **extra,
+        }  # fmt: skip
+
+    def complete(self, final: RequestOutput, output: ResponseOutput) -> dict:
+        """The finished response's body; stored when the request asked for it."""
+        c = final.outputs[0]
+        status = _status(c)
+        extra: dict[str, Any] = {}
+        if status == "incomplete":
+            extra["incomplete_details"] = {"reason": "max_output_tokens"}
+        else:
+            extra["completed_at"] = int(time.time())
+        body = self.body(status, output.items, _usage(final), **extra)
+        if self.req.store:
+            entry = StoredResponse(
+                response=body, items=self.items, output_items=output.items,
+                prompt_text=self.prompt.text,
+                prompt_token_ids=array("i", final.prompt_token_ids),
+                output_token_ids=array("i", c.token_ids),
+            )  # fmt: skip
+            self.serving.store.put(self.tenant, self.id, entry)
+        return body
+
+    async def stream(self, streams: list[RequestStream]) -> AsyncIterator[str]:
+        """The SSE events, numbered from 0: created, in_progress, the output's events, then
+        completed, incomplete or failed. However it ends, the engine request ends with it."""
+        serving, numbers = self.serving, itertools.count()
+        output = ResponseOutput(self.mode, LOGPROBS in (self.req.include or []))
+        tracker = DeltaTracker()
+
+        def event(body: dict) -> str:
+            body = {**body, "sequence_number": next(numbers)}
+            return f"event: {body['type']}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        try:
+            start = self.body("in_progress", [])
+            yield event({"type": "response.created", "response": start})
+            yield event({"type": "response.in_progress", "response": start})
+            async for _, out in merge(streams):
+                c = out.outputs[0]
+                d = tracker.delta(0, c, serving._visible_text(c, self.mode))
+                if d is None:
+                    continue
+                done = d.finish_reason is not None
+                logprobs = serving._logprobs(self.req, d.logprobs, d.token_ids)
+                events = output.feed(d.text, logprobs, final=done)
+                if done:
+                    events += output.finish(_status(c))
+                for body in events:
+                    yield event(body)
+                if out.finished:
+                    body = self.complete(out, output)
+                    yield event({"type": f"response.{body['status']}", "response": body})
+        except APIError as exc:
+            yield event(self._failed(output, str(exc), exc.type))
+        except Exception as exc:
+            logger.exception("responses stream failed")
+            yield event(self._failed(output, str(exc), "server_error"))
+        finally:
+            serving.abort_all(streams)
+
+    def _failed(self, output: ResponseOutput, message: str, code: str) -> dict:
+        error = {"code": code, "message": message}
+        return {"type": "response.failed",
+                "response": self.body("failed", output.items, error=error)}  # fmt: skip
+
+
+def _status(c: CompletionOutput) -> str:
+    return "incomplete" if c.finish_reason == "length" else "completed"
+
+
+def _usage(final: RequestOutput) -> dict:
+    prompt = len(final.prompt_token_ids)
+    generated = len(final.outputs[0].token_ids)
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
+        "output_tokens": generated,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + generated,
+    }
