@@ -63,7 +63,11 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "conversation": (_unset, "conversations are not supported; use previous_response_id"),
     "prompt": (_unset, "stored prompt templates are not supported"),
-    "reasoning": (_unset, "reasoning controls are not supported"),
+    "reasoning": (
+        lambda v: v is None or (isinstance(v, dict) and v.get("effort") in (None, "none")),
+        "reasoning.effort is not controllable here (a summary is accepted: this server writes "
+        "no reasoning items to summarize)",
+    ),
     "max_tool_calls": (_unset, "max_tool_calls is not supported"),
     "context_management": (_unset, "context management (compaction) is not supported"),
     "moderation": (_unset, "moderation is not supported"),

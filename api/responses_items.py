@@ -14,10 +14,11 @@ Consecutive assistant content and function calls form one assistant message, as 
 them in one turn; so a response's own output items render back into the text it generated, and a
 continuation's splice check (``responses_continuation``) passes.
 
-Tools: ``function`` tools become chat tools. Every other type is refused by name: the hosted ones
-(``web_search``, ``file_search``, ``computer_use``, ``code_interpreter``, ``mcp``, ...) run on
-OpenAI's side, and Codex's client-side ``namespace`` / ``custom`` / ``tool_search`` are not mapped
-(README: "Responses API").
+Tools: ``function`` tools become chat tools, and so do the functions of a ``namespace`` (Codex's
+groups; their calls carry the namespace back). Every other type is refused by name: the hosted
+ones (``web_search``, ``file_search``, ``computer_use``, ``code_interpreter``, ``mcp``, ...) run on
+OpenAI's side, and Codex's client-side ``custom`` (free-form input) and ``tool_search`` are not
+mapped (README: "Responses API").
 """
 
 from __future__ import annotations
@@ -140,26 +141,43 @@ _HOSTED = ("web_search", "web_search_preview", "file_search", "computer_use",
            "shell", "apply_patch")  # fmt: skip
 
 
-def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Chat tool definitions of Responses ``tools``; a 400 naming a type that cannot run here."""
+def chat_tools(tools: list[dict[str, Any]] | None) -> tuple[list[dict] | None, dict[str, str]]:
+    """(chat tool definitions of Responses ``tools``, {function name: its namespace}); a 400
+    naming a type that cannot run here. A ``namespace`` (Codex's group of function tools) is
+    flattened: the template sees its functions by name, and their calls name the namespace."""
     if not tools:
-        return None
-    out = []
+        return None, {}
+    out: list[dict] = []
+    namespaces: dict[str, str] = {}
     for i, tool in enumerate(tools):
         kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind == "function":
-            if not isinstance(tool.get("name"), str) or not tool["name"]:
-                raise APIError(f"tools[{i}]: a function tool needs a 'name'", 400, "tools")
-            function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k)}
-            out.append({"type": "function", "function": function})
+        if kind == "namespace" and isinstance(tool.get("name"), str):
+            for inner in tool.get("tools") or []:
+                out.append(_function(i, inner))
+                namespaces[inner["name"]] = tool["name"]
             continue
+        out.append(_function(i, tool))
+    names = [t["function"]["name"] for t in out]
+    for name in names:
+        if names.count(name) > 1:
+            raise APIError(f"tools: the function name {name!r} is given twice", 400, "tools")
+    return out, namespaces
+
+
+def _function(i: int, tool: Any) -> dict[str, Any]:
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    if kind != "function":
         why = (
             "it is a hosted tool that runs on OpenAI's side"
             if kind in _HOSTED
-            else "only function tools are supported (see the README's Responses section)"
+            else "only function tools and namespaces of them are supported (see the README's "
+            "Responses API section)"
         )
         raise APIError(f"tools[{i}]: tool type {kind!r} is not supported: {why}", 400, "tools")
-    return out
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise APIError(f"tools[{i}]: a function tool needs a 'name'", 400, "tools")
+    function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k)}
+    return {"type": "function", "function": function}
 
 
 def _bad(i: int, why: str) -> APIError:

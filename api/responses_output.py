@@ -13,7 +13,7 @@ deltas of an item concatenate to its final text or ``arguments``; every item add
 exactly once; events carry no ``sequence_number`` (the stream numbers them).
 
 How text becomes items depends on the tool mode (``ToolMode`` of the chat endpoint): plain text
-is one message; forced calls (``required`` / a named function) are read with the grammar's own
+is one message (``namespaces``: the namespace a function's calls name); forced calls (``required`` / a named function) are read with the grammar's own
 syntax, arguments streamed as they are generated; ``auto`` calls are parsed from the text
 (hermes), each emitted whole once its closing tag arrives, with the text around them as messages.
 """
@@ -30,8 +30,11 @@ from prefixserve.structured_outputs.tool_calls import ToolCallStream
 
 
 class ResponseOutput:
-    def __init__(self, mode: ToolMode, with_logprobs: bool = False) -> None:
+    def __init__(
+        self, mode: ToolMode, with_logprobs: bool = False, namespaces: dict[str, str] | None = None
+    ) -> None:
         self.mode = mode
+        self.namespaces = namespaces or {}
         self.items: list[dict[str, Any]] = []
         self.with_logprobs = with_logprobs
         self._message: dict[str, Any] | None = None  # the open message item
@@ -113,6 +116,8 @@ class ResponseOutput:
     def _add_call(self, name: str) -> list[dict]:
         self._call = {"id": random_id("fc_"), "type": "function_call", "status": "in_progress",
                       "call_id": random_id("call_"), "name": name, "arguments": ""}  # fmt: skip
+        if name in self.namespaces:
+            self._call["namespace"] = self.namespaces[name]
         return [self._added(self._call)]
 
     def _call_arguments(self, text: str) -> list[dict]:

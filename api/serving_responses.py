@@ -111,7 +111,7 @@ class ResponsesServing(BaseServing):
                                "previous_response_id")  # fmt: skip
         new_items = normalize_input(req.input)
         history = prev.items + prev.output_items if prev else []
-        tools = chat_tools(req.tools)
+        tools, namespaces = chat_tools(req.tools)
         mode = self._tool_mode(req, tools)
         structured, fmt = self._structured_outputs(req, tools, mode)
         if structured is not None:
@@ -125,12 +125,13 @@ class ResponsesServing(BaseServing):
             params.skip_special_tokens = False  # tool-call tags may be special tokens
         response_id = random_id("resp_")
         streams = await self.add_all(response_id, [prompt.token_ids], [params], "input")
-        turn = _Turn(self, req, response_id, model, tenant, history + new_items, prompt, mode, fmt)
+        turn = _Turn(self, req, response_id, model, tenant, history + new_items, prompt,
+                     (mode, fmt, namespaces))  # fmt: skip
         if req.stream:
             return turn.stream(streams)
         final = (await self.collect(raw_request, streams))[0]
         c = final.outputs[0]
-        output = ResponseOutput(mode, with_logprobs=logprobs is not None)
+        output = ResponseOutput(mode, logprobs is not None, namespaces)
         output.feed(self._visible_text(c, mode), self._logprobs(req, c.logprobs, c.token_ids),
                     final=True)  # fmt: skip
         output.finish(_status(c))
@@ -244,13 +245,15 @@ class ResponsesServing(BaseServing):
 
 
 class _Turn:
-    """One request's response: its body at each stage, its stream, and what the store keeps."""
+    """One request's response: its body at each stage, its stream, and what the store keeps.
+    ``shape``: (tool mode, ``text.format`` or None, {function name: namespace})."""
 
     def __init__(self, serving: ResponsesServing, req: ResponsesRequest, response_id: str,
-                 model: str, tenant: str, items: list[dict], prompt: Prompt, mode: ToolMode,
-                 fmt: dict | None) -> None:  # fmt: skip
+                 model: str, tenant: str, items: list[dict], prompt: Prompt,
+                 shape: tuple[ToolMode, dict | None, dict[str, str]]) -> None:  # fmt: skip
         self.serving, self.req, self.id, self.model = serving, req, response_id, model
-        self.tenant, self.items, self.prompt, self.mode, self.fmt = tenant, items, prompt, mode, fmt
+        self.tenant, self.items, self.prompt = tenant, items, prompt
+        self.mode, self.fmt, self.namespaces = shape
         self.created_at = int(time.time())
 
     def body(self, status: str, output: list[dict], usage: dict | None = None,
@@ -296,7 +299,7 @@ class _Turn:
         """The SSE events, numbered from 0: created, in_progress, the output's events, then
         completed, incomplete or failed. However it ends, the engine request ends with it."""
         serving, numbers = self.serving, itertools.count()
-        output = ResponseOutput(self.mode, LOGPROBS in (self.req.include or []))
+        output = ResponseOutput(self.mode, LOGPROBS in (self.req.include or []), self.namespaces)
         tracker = DeltaTracker()
 
         def event(body: dict) -> str:

@@ -64,11 +64,25 @@ def test_bad_items_are_refused_by_index(raw, match):
 def test_function_tools_map_and_others_are_refused_by_name():
     tools = [{"type": "function", "name": "f", "description": "d", "strict": True,
               "parameters": {"type": "object"}}]  # fmt: skip
-    assert chat_tools(tools) == [{"type": "function", "function": {
+    assert chat_tools(tools)[0] == [{"type": "function", "function": {
         "name": "f", "description": "d", "parameters": {"type": "object"}}}]  # fmt: skip
-    assert chat_tools(None) is None
+    assert chat_tools(None) == (None, {})
     for kind in ("web_search", "file_search", "computer_use_preview", "code_interpreter", "mcp",
-                 "namespace", "custom", "tool_search"):  # fmt: skip
+                 "custom", "tool_search"):  # fmt: skip
         with pytest.raises(APIError, match=repr(kind)) as err:
             chat_tools([{"type": kind}])
         assert err.value.status == 400 and err.value.param == "tools"
+
+
+def test_namespace_functions_are_flattened_and_remember_their_namespace():
+    tools = [{"type": "function", "name": "f"},
+             {"type": "namespace", "name": "agents", "tools": [
+                 {"type": "function", "name": "spawn", "parameters": {"type": "object"}}]}]  # fmt: skip
+    defs, namespaces = chat_tools(tools)
+    assert [d["function"]["name"] for d in defs] == ["f", "spawn"]
+    assert namespaces == {"spawn": "agents"}
+    with pytest.raises(APIError, match="'f' is given twice"):
+        chat_tools([*tools, {"type": "namespace", "name": "n", "tools": [{"type": "function",
+                                                                            "name": "f"}]}])
+    with pytest.raises(APIError, match="'custom'"):
+        chat_tools([{"type": "namespace", "name": "n", "tools": [{"type": "custom"}]}])

@@ -79,3 +79,10 @@ def test_logprobs_ride_on_deltas_and_the_part():
     events = out.feed("a", lp) + out.finish("completed")
     assert events[2]["logprobs"] == lp and out.items[0]["content"][0]["logprobs"] == lp
     assert events[1]["part"]["logprobs"] == []  # the part as it was when added
+
+
+def test_a_namespaced_function_call_names_its_namespace():
+    out = ResponseOutput(ToolMode.REQUIRED, namespaces={"g": "tools"})
+    out.feed(CALLS, final=True)
+    out.finish("completed")
+    assert "namespace" not in out.items[0] and out.items[1]["namespace"] == "tools"

@@ -176,10 +176,10 @@ def test_evicted_response_is_a_404(client):
     [
         ({"background": True}, "background"),
         ({"truncation": "auto"}, "truncation"),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"reasoning": {"effort": "high", "summary": "auto"}}, "reasoning"),
         ({"include": ["file_search_call.results"]}, "include"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
-        ({"tools": [{"type": "namespace", "name": "n", "tools": []}]}, "tools"),
+        ({"tools": [{"type": "tool_search"}]}, "tools"),
         ({"tools": [{"type": "custom", "name": "apply_patch"}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
@@ -242,3 +242,26 @@ def test_openai_agents_sdk_tools_and_output_type(server):
     result = asyncio.run(Runner.run(agent, "Who is Ada?", max_turns=4))
     assert isinstance(result.final_output, Person)
     assert calls  # a first turn called a tool, a later one answered
+
+
+def test_namespace_tool_call_names_its_namespace_and_reasoning_summary_is_accepted(client):
+    grouped = [{"type": "namespace", "name": "weather", "description": "Weather tools.",
+                "tools": WEATHER}]  # fmt: skip
+    r = client.responses.create(model=MODEL, input="Weather?", tools=grouped,
+                                tool_choice="required", reasoning={"summary": "auto"},
+                                temperature=0)  # fmt: skip
+    (call,) = r.output
+    assert call.name == "get_weather" and call.namespace == "weather"
+    assert r.reasoning is None and r.usage.output_tokens_details.reasoning_tokens == 0
+
+
+def test_logprobs_on_output_text(client):
+    common = dict(model=MODEL, input="Hello", max_output_tokens=4, temperature=0, top_logprobs=2,
+                  include=["message.output_text.logprobs"])  # fmt: skip
+    r = client.responses.create(**common)
+    part = r.output[0].content[0]
+    assert len(part.logprobs) == 4 and all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    assert "".join(lp.token for lp in part.logprobs) == part.text
+    events = list(client.responses.create(stream=True, **common))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp.logprob for lp in streamed] == pytest.approx([lp.logprob for lp in part.logprobs])
