@@ -45,6 +45,7 @@ class ResponsesRequest(_Lenient):
     background: bool | None = None
     cache_salt: str | None = None
     seed: int | None = None
+    generate: bool = True  # Codex's WebSocket warm-up sends false: prefill, write nothing
 
 
 def _unset(value: Any) -> bool:

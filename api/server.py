@@ -27,7 +27,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from types import FrameType
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prefixserve.api.async_engine import RETRY_AFTER_SECONDS, AsyncEngine, EngineDeadError
@@ -51,6 +51,7 @@ from prefixserve.api.responses_store import (
     DEFAULT_MAX_ENTRIES,
     ResponseStore,
 )
+from prefixserve.api.responses_websocket import serve_websocket
 from prefixserve.api.serving_chat import ChatServing
 from prefixserve.api.serving_completion import CompletionServing
 from prefixserve.api.serving_responses import ResponsesServing
@@ -366,22 +367,27 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def create_response(req: ResponsesRequest, raw_request: Request):
         return _respond(await responses.create(req, raw_request))
 
+    @app.websocket("/v1/responses")
+    async def responses_websocket(ws: WebSocket):
+        await serve_websocket(ws, responses, config.api_key)
+
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, raw_request: Request, cache_salt: str | None = None):
-        return responses.lookup(raw_request, response_id, cache_salt).response
+        return responses.lookup(raw_request.headers.get("authorization"), response_id,
+                                cache_salt).response  # fmt: skip
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(
         response_id: str, raw_request: Request, cache_salt: str | None = None
     ):
-        return responses.delete(raw_request, response_id, cache_salt)
+        return responses.delete(raw_request.headers.get("authorization"), response_id, cache_salt)
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def response_input_items(
         response_id: str, raw_request: Request, cache_salt: str | None = None, limit: int = 20,
         order: str = "desc", after: str | None = None,
     ):  # fmt: skip
-        entry = responses.lookup(raw_request, response_id, cache_salt)
+        entry = responses.lookup(raw_request.headers.get("authorization"), response_id, cache_salt)
         return responses.input_items(entry, limit, order, after)
 
     @app.post("/tokenize")

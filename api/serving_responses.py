@@ -44,6 +44,8 @@ from prefixserve.structured_outputs.tool_calls import tool_call_params
 
 logger = logging.getLogger(__name__)
 LOGPROBS = "message.output_text.logprobs"
+Chain = dict[str, StoredResponse]
+"""The responses of one WebSocket connection, by id (kept while it lives, ``store`` or not)."""
 
 
 class ResponsesServing(BaseServing):
@@ -69,19 +71,20 @@ class ResponsesServing(BaseServing):
 
     # -- the stored responses ------------------------------------------------------------------
 
-    def lookup(self, raw_request: Request, response_id: str, cache_salt: str | None,
-               param: str | None = None) -> StoredResponse:  # fmt: skip
-        """The caller's stored response ``response_id``, or a 404."""
-        tenant = tenant_of(raw_request.headers.get("authorization"), cache_salt)
-        entry = self.store.get(tenant, response_id)
+    def lookup(self, authorization: str | None, response_id: str, cache_salt: str | None,
+               param: str | None = None, chain: Chain | None = None) -> StoredResponse:  # fmt: skip
+        """The caller's response ``response_id`` (from the connection's ``chain`` first, then
+        the store), or a 404."""
+        entry = (chain or {}).get(response_id)
+        if entry is None:
+            entry = self.store.get(tenant_of(authorization, cache_salt), response_id)
         if entry is None:
             raise APIError(f"Response with id '{response_id}' not found.", 404, param)
         return entry
 
-    def delete(self, raw_request: Request, response_id: str, cache_salt: str | None) -> dict:
-        self.lookup(raw_request, response_id, cache_salt)
-        tenant = tenant_of(raw_request.headers.get("authorization"), cache_salt)
-        self.store.delete(tenant, response_id)
+    def delete(self, authorization: str | None, response_id: str, cache_salt: str | None) -> dict:
+        if not self.store.delete(tenant_of(authorization, cache_salt), response_id):
+            raise APIError(f"Response with id '{response_id}' not found.", 404)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     def input_items(self, entry: StoredResponse, limit: int, order: str, after: str | None) -> dict:
@@ -102,13 +105,34 @@ class ResponsesServing(BaseServing):
     # -- POST /v1/responses --------------------------------------------------------------------
 
     async def create(self, req: ResponsesRequest, raw_request: Request):
+        turn, streams = await self.start(req, raw_request.headers.get("authorization"))
+        if req.stream:
+            return turn.sse(streams)
+        final = (await self.collect(raw_request, streams))[0]
+        c = final.outputs[0]
+        output = turn.output()
+        if req.generate:
+            output.feed(self._visible_text(c, turn.mode),
+                        self._logprobs(req, c.logprobs, c.token_ids), final=True)  # fmt: skip
+            output.finish(turn.status(c))
+        return turn.complete(final, output)
+
+    async def start(
+        self, req: ResponsesRequest, authorization: str | None, chain: Chain | None = None
+    ) -> tuple[_Turn, list[RequestStream]]:
+        """Check and prepare ``req``, add its engine request: (its turn, its stream).
+
+        ``chain``: the responses of a WebSocket connection, continued from and added to whatever
+        ``store`` says. ``generate: false`` (Codex's warm-up) renders the conversation without a
+        generation prompt and runs it as a prefill whose one sampled token is discarded.
+        """
         model = self.check_model(req.model)
         check_supported(req)
-        tenant = tenant_of(raw_request.headers.get("authorization"), req.cache_salt)
+        tenant = tenant_of(authorization, req.cache_salt)
         prev = None
         if req.previous_response_id is not None:
-            prev = self.lookup(raw_request, req.previous_response_id, req.cache_salt,
-                               "previous_response_id")  # fmt: skip
+            prev = self.lookup(authorization, req.previous_response_id, req.cache_salt,
+                               "previous_response_id", chain)  # fmt: skip
         new_items = normalize_input(req.input)
         history = prev.items + prev.output_items if prev else []
         tools, namespaces = chat_tools(req.tools)
@@ -123,19 +147,13 @@ class ResponsesServing(BaseServing):
         params = self.make_params(sampling, req.max_output_tokens, logprobs, structured)
         if mode is not ToolMode.NONE:
             params.skip_special_tokens = False  # tool-call tags may be special tokens
+        if not req.generate:
+            params.max_tokens = 1
         response_id = random_id("resp_")
         streams = await self.add_all(response_id, [prompt.token_ids], [params], "input")
-        turn = _Turn(self, req, response_id, model, tenant, history + new_items, prompt,
+        turn = _Turn(self, req, response_id, model, (tenant, chain), history + new_items, prompt,
                      (mode, fmt, namespaces))  # fmt: skip
-        if req.stream:
-            return turn.stream(streams)
-        final = (await self.collect(raw_request, streams))[0]
-        c = final.outputs[0]
-        output = ResponseOutput(mode, logprobs is not None, namespaces)
-        output.feed(self._visible_text(c, mode), self._logprobs(req, c.logprobs, c.token_ids),
-                    final=True)  # fmt: skip
-        output.finish(_status(c))
-        return turn.complete(final, output)
+        return turn, streams
 
     def _prompt(self, req: ResponsesRequest, prev: StoredResponse | None,
                 items: list[dict], tools: list[dict] | None) -> Prompt:  # fmt: skip
@@ -146,6 +164,7 @@ class ResponsesServing(BaseServing):
             raise APIError("input: give at least one item (or instructions)", 400, "input")
         try:
             text = render_chat_text(self.engine.tokenizer, messages, tools=tools,
+                                    add_generation_prompt=req.generate,
                                     content_format=self.content_format)  # fmt: skip
         except InvalidArgumentError as exc:
             raise APIError(str(exc), 400, "input") from exc
@@ -249,12 +268,20 @@ class _Turn:
     ``shape``: (tool mode, ``text.format`` or None, {function name: namespace})."""
 
     def __init__(self, serving: ResponsesServing, req: ResponsesRequest, response_id: str,
-                 model: str, tenant: str, items: list[dict], prompt: Prompt,
+                 model: str, owner: tuple[str, Chain | None], items: list[dict], prompt: Prompt,
                  shape: tuple[ToolMode, dict | None, dict[str, str]]) -> None:  # fmt: skip
         self.serving, self.req, self.id, self.model = serving, req, response_id, model
-        self.tenant, self.items, self.prompt = tenant, items, prompt
+        self.tenant, self.chain = owner
+        self.items, self.prompt = items, prompt
         self.mode, self.fmt, self.namespaces = shape
         self.created_at = int(time.time())
+
+    def status(self, c: CompletionOutput) -> str:
+        """ "incomplete" when the output hit ``max_output_tokens`` (a warm-up is complete)."""
+        return "incomplete" if c.finish_reason == "length" and self.req.generate else "completed"
+
+    def output(self) -> ResponseOutput:
+        return ResponseOutput(self.mode, LOGPROBS in (self.req.include or []), self.namespaces)
 
     def body(self, status: str, output: list[dict], usage: dict | None = None,
              **extra: Any) -> dict:  # fmt: skip
@@ -278,33 +305,41 @@ class _Turn:
     def complete(self, final: RequestOutput, output: ResponseOutput) -> dict:
         """The finished response's body; stored when the request asked for it."""
         c = final.outputs[0]
-        status = _status(c)
+        status = self.status(c)
         extra: dict[str, Any] = {}
         if status == "incomplete":
             extra["incomplete_details"] = {"reason": "max_output_tokens"}
         else:
             extra["completed_at"] = int(time.time())
-        body = self.body(status, output.items, _usage(final), **extra)
-        if self.req.store:
+        generated = c.token_ids if self.req.generate else []
+        body = self.body(status, output.items, _usage(final, len(generated)), **extra)
+        if self.req.store or self.chain is not None:
             entry = StoredResponse(
                 response=body, items=self.items, output_items=output.items,
                 prompt_text=self.prompt.text,
                 prompt_token_ids=array("i", final.prompt_token_ids),
-                output_token_ids=array("i", c.token_ids),
+                output_token_ids=array("i", generated),
             )  # fmt: skip
-            self.serving.store.put(self.tenant, self.id, entry)
+            if self.req.store:
+                self.serving.store.put(self.tenant, self.id, entry)
+            if self.chain is not None:
+                self.chain[self.id] = entry
         return body
 
-    async def stream(self, streams: list[RequestStream]) -> AsyncIterator[str]:
-        """The SSE events, numbered from 0: created, in_progress, the output's events, then
-        completed, incomplete or failed. However it ends, the engine request ends with it."""
-        serving, numbers = self.serving, itertools.count()
-        output = ResponseOutput(self.mode, LOGPROBS in (self.req.include or []), self.namespaces)
-        tracker = DeltaTracker()
+    async def sse(self, streams: list[RequestStream]) -> AsyncIterator[str]:
+        """``events`` as server-sent events."""
+        async for body in self.events(streams):
+            yield f"event: {body['type']}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-        def event(body: dict) -> str:
-            body = {**body, "sequence_number": next(numbers)}
-            return f"event: {body['type']}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+    async def events(self, streams: list[RequestStream]) -> AsyncIterator[dict]:
+        """The stream's events, numbered from 0: created, in_progress, the output's events, then
+        completed, incomplete or failed (a ``generate: false`` warm-up has no output events).
+        However it ends, the engine request ends with it."""
+        serving, numbers = self.serving, itertools.count()
+        output, tracker = self.output(), DeltaTracker()
+
+        def event(body: dict) -> dict:
+            return {**body, "sequence_number": next(numbers)}
 
         try:
             start = self.body("in_progress", [])
@@ -313,15 +348,14 @@ class _Turn:
             async for _, out in merge(streams):
                 c = out.outputs[0]
                 d = tracker.delta(0, c, serving._visible_text(c, self.mode))
-                if d is None:
-                    continue
-                done = d.finish_reason is not None
-                logprobs = serving._logprobs(self.req, d.logprobs, d.token_ids)
-                events = output.feed(d.text, logprobs, final=done)
-                if done:
-                    events += output.finish(_status(c))
-                for body in events:
-                    yield event(body)
+                if d is not None and self.req.generate:
+                    done = d.finish_reason is not None
+                    logprobs = serving._logprobs(self.req, d.logprobs, d.token_ids)
+                    events = output.feed(d.text, logprobs, final=done)
+                    if done:
+                        events += output.finish(self.status(c))
+                    for body in events:
+                        yield event(body)
                 if out.finished:
                     body = self.complete(out, output)
                     yield event({"type": f"response.{body['status']}", "response": body})
@@ -339,13 +373,8 @@ class _Turn:
                 "response": self.body("failed", output.items, error=error)}  # fmt: skip
 
 
-def _status(c: CompletionOutput) -> str:
-    return "incomplete" if c.finish_reason == "length" else "completed"
-
-
-def _usage(final: RequestOutput) -> dict:
+def _usage(final: RequestOutput, generated: int) -> dict:
     prompt = len(final.prompt_token_ids)
-    generated = len(final.outputs[0].token_ids)
     return {
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": final.num_cached_tokens},

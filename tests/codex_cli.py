@@ -9,6 +9,7 @@ retries, and it is only ever pointed at 127.0.0.1.
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import json
 import shutil
@@ -96,9 +97,10 @@ def run_codex(binary: Path, home: Path, workdir: Path, prompt: str) -> subproces
 
 @contextmanager
 def steering_proxy(upstream: str, command: str) -> Iterator[tuple[str, list[dict]]]:
-    """An HTTP proxy to ``upstream`` that records each POST body and, on a turn that has no tool
-    result yet, forces a call of Codex's ``exec_command`` whose ``cmd`` can only be ``command``
-    (a random-weight model would never choose it). Yields (its /v1 URL, the recorded bodies)."""
+    """An HTTP proxy to ``upstream`` that records each POST body as Codex sent it and steers it
+    (``_steer``): on a turn without a tool result yet the model must call Codex's
+    ``exec_command`` with ``cmd`` = ``command`` (a random-weight model would never choose it).
+    Yields (its /v1 URL, the recorded bodies)."""
     recorded: list[dict] = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -106,9 +108,8 @@ def steering_proxy(upstream: str, command: str) -> Iterator[tuple[str, list[dict
 
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-            recorded.append(body)
-            if not any(item.get("type") == "function_call_output" for item in body["input"]):
-                _force_exec_command(body, command)
+            recorded.append(json.loads(json.dumps(body)))
+            _steer(body, command)
             headers = {"authorization": self.headers.get("authorization", "")}
             with httpx.stream("POST", upstream + self.path, json=body, headers=headers,
                               timeout=300) as reply:  # fmt: skip
@@ -132,10 +133,69 @@ def steering_proxy(upstream: str, command: str) -> Iterator[tuple[str, list[dict
         server.server_close()
 
 
-def _force_exec_command(body: dict, command: str) -> None:
-    for tool in body.get("tools", []):
+@contextmanager
+def steering_websocket_proxy(upstream: str, command: str) -> Iterator[tuple[str, list[dict]]]:
+    """``steering_proxy`` for Responses over WebSocket: relays frames both ways, recording and
+    steering each ``response.create`` frame the same way (a warm-up is left alone)."""
+    from websockets.asyncio.client import connect
+    from websockets.asyncio.server import serve
+
+    recorded: list[dict] = []
+    target = upstream.replace("http://", "ws://", 1)
+
+    async def relay(client) -> None:
+        headers = {"authorization": client.request.headers.get("authorization", "")}
+        async with connect(target + client.request.path, additional_headers=headers) as server:
+
+            async def up() -> None:
+                async for frame in client:
+                    recorded.append(json.loads(frame))
+                    body = json.loads(frame)
+                    _steer(body, command)
+                    await server.send(json.dumps(body))
+
+            async def down() -> None:
+                async for frame in server:
+                    await client.send(frame)
+
+            tasks = [asyncio.ensure_future(up()), asyncio.ensure_future(down())]
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in tasks:
+                task.cancel()
+
+    async def start():
+        return await serve(relay, "127.0.0.1", 0)
+
+    loop = asyncio.new_event_loop()
+    started = loop.run_until_complete(start())
+    port = started.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}/v1", recorded
+    finally:
+
+        async def close() -> None:
+            started.close()
+            await started.wait_closed()
+
+        asyncio.run_coroutine_threadsafe(close(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
+def _steer(body: dict, command: str) -> None:
+    """Narrow ``exec_command``'s ``cmd`` to ``command`` in every request (so the tools, and the
+    rendered prompt, stay the same all session), and force a call of it on a turn that has no
+    tool result yet (not on a ``generate: false`` warm-up)."""
+    for tool in body.get("tools") or []:
         if tool.get("name") == "exec_command":
             tool["parameters"] = {"type": "object", "required": ["cmd"],
                                   "additionalProperties": False,
                                   "properties": {"cmd": {"type": "string", "enum": [command]}}}
-    body["tool_choice"] = {"type": "function", "name": "exec_command"}
+    items = body.get("input") or []
+    if body.get("generate", True) and not any(
+        item.get("type") == "function_call_output" for item in items
+    ):
+        body["tool_choice"] = {"type": "function", "name": "exec_command"}

@@ -10,8 +10,14 @@ from __future__ import annotations
 
 import pytest
 from checkpoints import make_checkpoint
-from codex_cli import codex_binary, codex_home, run_codex, steering_proxy
-from servers import server_process
+from codex_cli import (
+    codex_binary,
+    codex_home,
+    run_codex,
+    steering_proxy,
+    steering_websocket_proxy,
+)
+from servers import metric, scrape, server_process
 
 MODEL = "codex-test"
 pytestmark = pytest.mark.slow
@@ -48,3 +54,24 @@ def test_codex_runs_exec_command_and_reads_its_output(codex, server, tmp_path):
     assert call["name"] == "exec_command" and call["arguments"] == '{"cmd": "echo codex-ok"}'
     (result,) = [i for i in second["input"] if i.get("type") == "function_call_output"]
     assert "codex-ok" in str(result["output"])
+
+
+def test_codex_over_websocket_continues_token_exact(codex, server, tmp_path):
+    """Codex's WebSocket mode: a warm-up, then frames that continue the previous response with
+    only their new items (store: false), the tool result included; each continuation is spliced
+    from the connection's own chain."""
+    before = metric(scrape(server), "prefixserve_responses_continuations_total",
+                    model_name=MODEL, kind="token_exact")  # fmt: skip
+    with steering_websocket_proxy(server, "echo codex-ok") as (url, frames):
+        home = codex_home(tmp_path / "home", url, MODEL, websockets=True)
+        done = run_codex(codex, home, tmp_path / "work", "run a command")
+    assert done.returncode == 0, done.stderr[-2000:]
+    warmup, *turns = frames
+    assert warmup["generate"] is False and "previous_response_id" not in warmup
+    assert len(turns) >= 2 and all(t.get("previous_response_id") for t in turns)
+    assert all(t["store"] is False for t in frames)
+    assert [i["type"] for i in turns[1]["input"]] == ["function_call_output"]
+    assert "codex-ok" in str(turns[1]["input"][0]["output"])
+    after = metric(scrape(server), "prefixserve_responses_continuations_total",
+                   model_name=MODEL, kind="token_exact")  # fmt: skip
+    assert after - before == len(turns)
