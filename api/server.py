@@ -256,7 +256,7 @@ def create_app(
             metrics.render(engine.snapshot()), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
 
-    app.include_router(dashboard_router(engine, metrics))
+    app.include_router(dashboard_router(engine, metrics, app.state.responses.stats))
     return app
 
 

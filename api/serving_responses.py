@@ -69,6 +69,16 @@ class ResponsesServing(BaseServing):
         texts = {engine.tokenizer.decode([t]) for t in engine.eos_token_ids} - {""}
         self.eos_texts = tuple(sorted(texts, key=len, reverse=True))
 
+    def stats(self) -> dict:
+        """The Responses figures of /stats (the same values as the Prometheus metrics)."""
+        return {
+            "responses_continuations_token_exact": self.continuations["token_exact"],
+            "responses_continuations_rerendered": self.continuations["rerendered"],
+            "responses_store_entries": len(self.store),
+            "responses_store_bytes": self.store.nbytes,
+            "responses_store_evictions": self.store.evictions,
+        }
+
     # -- the stored responses ------------------------------------------------------------------
 
     def lookup(self, authorization: str | None, response_id: str, cache_salt: str | None,

@@ -265,3 +265,17 @@ def test_logprobs_on_output_text(client):
     events = list(client.responses.create(stream=True, **common))
     streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
     assert [lp.logprob for lp in streamed] == pytest.approx([lp.logprob for lp in part.logprobs])
+
+
+def test_stats_and_dashboard_card_show_the_responses_figures(server):
+    samples = scrape(server)
+    stats = httpx.get(f"{server}/stats").json()
+    assert stats["responses_store_entries"] == metric(samples, "prefixserve_responses_store_entries")
+    assert stats["responses_store_bytes"] == metric(samples, "prefixserve_responses_store_bytes")
+    assert stats["responses_continuations_token_exact"] == metric(
+        samples, "prefixserve_responses_continuations_total", kind="token_exact")  # fmt: skip
+    assert stats["responses_store_evictions"] == metric(
+        samples, "prefixserve_responses_store_evictions_total")  # fmt: skip
+    page = httpx.get(f"{server}/dashboard").text
+    for figure in ("token-exact", "rerendered", "store-entries", "store-bytes", "store-evictions"):
+        assert f'id="responses-{figure}"' in page
