@@ -164,6 +164,18 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> tuple[list[dict] | None, d
     return out, namespaces
 
 
+def strict_names(tools: list[dict[str, Any]] | None) -> set[str]:
+    """Names of the function tools whose arguments must match their schema: ``strict`` is true
+    unless set to false (OpenAI's default for Responses function tools)."""
+    out = set()
+    for tool in tools or []:
+        inner = (tool.get("tools") or []) if tool.get("type") == "namespace" else [tool]
+        out |= {
+            t["name"] for t in inner if t.get("type") == "function" and t.get("strict") is not False
+        }
+    return out
+
+
 def _function(i: int, tool: Any) -> dict[str, Any]:
     kind = tool.get("type") if isinstance(tool, dict) else None
     if kind != "function":

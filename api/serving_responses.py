@@ -30,7 +30,7 @@ from prefixserve.api.async_engine import AsyncEngine, RequestStream
 from prefixserve.api.protocol import APIError, _SamplingFields, random_id
 from prefixserve.api.protocol_responses import ResponsesRequest, check_supported
 from prefixserve.api.responses_continuation import Prompt, continue_prompt, render_prompt
-from prefixserve.api.responses_items import chat_tools, normalize_input, to_messages
+from prefixserve.api.responses_items import chat_tools, normalize_input, strict_names, to_messages
 from prefixserve.api.responses_output import ResponseOutput
 from prefixserve.api.responses_store import ResponseStore, StoredResponse, tenant_of
 from prefixserve.api.serving_base import BaseServing, DeltaTracker, merge
@@ -40,7 +40,7 @@ from prefixserve.chat_template import render_chat_text
 from prefixserve.errors import InvalidArgumentError
 from prefixserve.outputs import CompletionOutput, RequestOutput
 from prefixserve.structured_outputs.params import StructuredOutputsParams
-from prefixserve.structured_outputs.tool_calls import tool_call_params
+from prefixserve.structured_outputs.tool_calls import optional_tool_call_params, tool_call_params
 
 logger = logging.getLogger(__name__)
 LOGPROBS = "message.output_text.logprobs"
@@ -147,9 +147,10 @@ class ResponsesServing(BaseServing):
         history = prev.items + prev.output_items if prev else []
         tools, namespaces = chat_tools(req.tools)
         mode = self._tool_mode(req, tools)
-        structured, fmt = self._structured_outputs(req, tools, mode)
+        structured, source = self._structured_outputs(req, tools, mode)
         if structured is not None:
-            await self.check_grammar(structured, "tool_choice" if fmt is None else "text")
+            await self.check_grammar(structured, source)
+        fmt = (req.text or {}).get("format") or {"type": "text"}
         prompt = await asyncio.to_thread(self._prompt, req, prev, history + new_items, tools)
         logprobs = (req.top_logprobs or 0) if LOGPROBS in (req.include or []) else None
         sampling = _SamplingFields(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
@@ -222,21 +223,26 @@ class ResponsesServing(BaseServing):
 
     def _structured_outputs(
         self, req: ResponsesRequest, tools: list[dict] | None, mode: ToolMode
-    ) -> tuple[StructuredOutputsParams | None, dict | None]:
-        """(params, the ``text.format`` they came from; None for forced tool calls). A forced
-        call writes no message text, so ``text.format`` applies to later turns only."""
+    ) -> tuple[StructuredOutputsParams | None, str]:
+        """(params, the request field they came from). A forced call writes no message text, so
+        ``text.format`` applies to the turns that write text; with ``auto``, a ``text.format``
+        other than text constrains the whole output, else strict tools constrain the calls."""
+        fmt = (req.text or {}).get("format") or {"type": "text"}
+        kind = fmt.get("type")
         try:
             if mode in (ToolMode.REQUIRED, ToolMode.NAMED):
                 name = req.tool_choice["name"] if mode is ToolMode.NAMED else None
-                return tool_call_params(tools or [], name, req.parallel_tool_calls), None
-            fmt = (req.text or {}).get("format") or {"type": "text"}
-            kind = fmt.get("type")
-            if kind == "text":
-                return None, fmt
+                return tool_call_params(tools or [], name, req.parallel_tool_calls), "tool_choice"
             if kind == "json_object":
-                return StructuredOutputsParams(json_object=True), fmt
+                return StructuredOutputsParams(json_object=True), "text"
             if kind == "json_schema" and isinstance(fmt.get("schema"), (dict, bool)):
-                return StructuredOutputsParams(json=fmt["schema"]), fmt
+                return StructuredOutputsParams(json=fmt["schema"]), "text"
+            strict = strict_names(req.tools)
+            if kind == "text" and mode is ToolMode.AUTO and strict:
+                params = optional_tool_call_params(tools or [], strict, req.parallel_tool_calls)
+                return params, "tools"
+            if kind == "text":
+                return None, "text"
         except InvalidArgumentError as exc:
             raise APIError(str(exc), 400, exc.param) from exc
         raise APIError(
@@ -275,11 +281,11 @@ class ResponsesServing(BaseServing):
 
 class _Turn:
     """One request's response: its body at each stage, its stream, and what the store keeps.
-    ``shape``: (tool mode, ``text.format`` or None, {function name: namespace})."""
+    ``shape``: (tool mode, ``text.format``, {function name: namespace})."""
 
     def __init__(self, serving: ResponsesServing, req: ResponsesRequest, response_id: str,
                  model: str, owner: tuple[str, Chain | None], items: list[dict], prompt: Prompt,
-                 shape: tuple[ToolMode, dict | None, dict[str, str]]) -> None:  # fmt: skip
+                 shape: tuple[ToolMode, dict, dict[str, str]]) -> None:  # fmt: skip
         self.serving, self.req, self.id, self.model = serving, req, response_id, model
         self.tenant, self.chain = owner
         self.items, self.prompt = items, prompt
@@ -306,7 +312,7 @@ class _Turn:
             "prompt_cache_key": req.prompt_cache_key, "reasoning": None,
             "safety_identifier": req.safety_identifier, "service_tier": "default",
             "store": req.store, "temperature": 1.0 if req.temperature is None else req.temperature,
-            "text": {"format": self.fmt or {"type": "text"}}, "tool_choice": req.tool_choice,
+            "text": {"format": self.fmt}, "tool_choice": req.tool_choice,
             "tools": req.tools or [], "top_logprobs": req.top_logprobs or 0,
             "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled",
             "usage": usage, "user": req.user, "metadata": req.metadata or {}, **extra,

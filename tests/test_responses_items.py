@@ -86,3 +86,15 @@ def test_namespace_functions_are_flattened_and_remember_their_namespace():
                                                                             "name": "f"}]}])
     with pytest.raises(APIError, match="'custom'"):
         chat_tools([{"type": "namespace", "name": "n", "tools": [{"type": "custom"}]}])
+
+
+def test_strict_is_true_unless_set_false():
+    from prefixserve.api.responses_items import strict_names
+
+    tools = [{"type": "function", "name": "a"}, {"type": "function", "name": "b", "strict": False},
+             {"type": "function", "name": "c", "strict": True},
+             {"type": "namespace", "name": "n", "tools": [
+                 {"type": "function", "name": "d", "strict": None},
+                 {"type": "function", "name": "e", "strict": False}]}]  # fmt: skip
+    assert strict_names(tools) == {"a", "c", "d"}
+    assert strict_names(None) == set()

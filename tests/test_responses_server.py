@@ -279,3 +279,17 @@ def test_stats_and_dashboard_card_show_the_responses_figures(server):
     page = httpx.get(f"{server}/dashboard").text
     for figure in ("token-exact", "rerendered", "store-entries", "store-bytes", "store-evictions"):
         assert f'id="responses-{figure}"' in page
+
+
+def test_auto_with_strict_tools_constrains_the_calls(server, client):
+    def constrained() -> float:
+        return metric(scrape(server), "prefixserve_structured_output_requests_total",
+                      kind="tool_calls")  # fmt: skip
+
+    before = constrained()
+    loose = [{**WEATHER[0], "strict": False}]
+    for tools in (WEATHER, loose):
+        r = client.responses.create(model=MODEL, input="Weather?", tools=tools, tool_choice="auto",
+                                    max_output_tokens=4, temperature=0)  # fmt: skip
+        assert r.tool_choice == "auto" and r.tools[0].strict is tools[0]["strict"]
+    assert constrained() == before + 1  # the strict request only

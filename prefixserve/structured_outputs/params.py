@@ -35,11 +35,14 @@ class ToolCallSpec:
 
     ``functions`` holds ``(name, parameters)`` pairs: ``parameters`` is the function's JSON schema
     as ``canonical_json`` text, or None for "any JSON object". ``parallel`` allows one or more
-    calls; otherwise exactly one call is generated.
+    calls; otherwise exactly one call is generated. ``optional`` (``tool_choice`` "auto" with
+    strict tools): free text, in which a call may start wherever ``<tool_call>`` is written, and
+    then must be a complete call of a listed function (``parallel``: any number of calls).
     """
 
     functions: tuple[tuple[str, str | None], ...]
     parallel: bool
+    optional: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +90,7 @@ class StructuredOutputsParams:
         if kind == "tool_calls":
             spec = self.tool_calls
             assert spec is not None
-            return kind, canonical_json([spec.functions, spec.parallel])
+            return kind, canonical_json([spec.functions, spec.parallel, spec.optional])
         if kind == "json_object":
             return kind, ""
         return kind, getattr(self, kind)
