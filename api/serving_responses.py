@@ -152,6 +152,8 @@ class ResponsesServing(BaseServing):
             await self.check_grammar(structured, source)
         fmt = (req.text or {}).get("format") or {"type": "text"}
         prompt = await asyncio.to_thread(self._prompt, req, prev, history + new_items, tools)
+        if prev is not None:
+            self.continuations["token_exact" if prompt.token_exact else "rerendered"] += 1
         logprobs = (req.top_logprobs or 0) if LOGPROBS in (req.include or []) else None
         sampling = _SamplingFields(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                                    cache_salt=req.cache_salt)  # fmt: skip
@@ -181,12 +183,10 @@ class ResponsesServing(BaseServing):
             raise APIError(str(exc), 400, "input") from exc
         if prev is None:
             return render_prompt(self.engine.tokenizer, text)
-        prompt = continue_prompt(
+        return continue_prompt(
             self.engine.tokenizer, prev.prompt_text, prev.prompt_token_ids,
             prev.output_token_ids, text, self.engine.eos_token_ids,
         )  # fmt: skip
-        self.continuations["token_exact" if prompt.token_exact else "rerendered"] += 1
-        return prompt
 
     def _tool_mode(self, req: ResponsesRequest, tools: list[dict] | None) -> ToolMode:
         choice = req.tool_choice
