@@ -43,6 +43,7 @@ class ResponsesRequest(_Lenient):
     safety_identifier: str | None = None
     service_tier: str | None = None
     background: bool | None = None
+    stream_options: dict[str, Any] | None = None  # include_obfuscation: no padding is sent
     cache_salt: str | None = None
     seed: int | None = None
     generate: bool = True  # Codex's WebSocket warm-up sends false: prefill, write nothing

@@ -185,6 +185,8 @@ def test_evicted_response_is_a_404(client):
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
         ({"input": [{"type": "input_image"}]}, "input"),
         ({"model": "other"}, "model"),
+        ({"input": []}, "input"),
+        ({"input": "hi", "metadata": {"k" * 65: "v"}}, "metadata"),
     ],
 )
 def test_refusals_name_the_field(server, extra, param):
@@ -293,3 +295,14 @@ def test_auto_with_strict_tools_constrains_the_calls(server, client):
                                     max_output_tokens=4, temperature=0)  # fmt: skip
         assert r.tool_choice == "auto" and r.tools[0].strict is tools[0]["strict"]
     assert constrained() == before + 1  # the strict request only
+
+
+def test_a_warmup_over_http_writes_nothing_and_is_continued_exactly(server, client):
+    before = continuations(server)
+    warm = client.responses.create(model=MODEL, instructions="You are terse. " * 20, input=[],
+                                   extra_body={"generate": False})  # fmt: skip
+    assert warm.status == "completed" and warm.output == [] and warm.usage.output_tokens == 0
+    r = client.responses.create(model=MODEL, instructions="You are terse. " * 20, input="hi",
+                                previous_response_id=warm.id, max_output_tokens=2)  # fmt: skip
+    assert r.usage.input_tokens_details.cached_tokens >= warm.usage.input_tokens // BLOCK * BLOCK
+    assert continuations(server)["token_exact"] == before["token_exact"] + 1
