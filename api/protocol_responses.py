@@ -22,7 +22,7 @@ server has none to send (it keeps reasoning in its store instead)."""
 
 class ResponsesRequest(_Lenient):
     model: str | None = None
-    input: str | list[Any] = ""
+    input: str | list[Any] = Field(default_factory=list)
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] = "auto"
