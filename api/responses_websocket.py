@@ -24,7 +24,11 @@ from prefixserve.api.serving_responses import Chain, ResponsesServing
 from pydantic import ValidationError
 
 
-async def serve_websocket(ws: WebSocket, serving: ResponsesServing, api_key: str | None) -> None:
+async def serve_websocket(
+    ws: WebSocket, serving: ResponsesServing, api_key: str | None, max_frame_bytes: int
+) -> None:
+    """Serve one connection; a frame larger than ``max_frame_bytes`` (the server's request-body
+    limit) is answered with a 413 error event."""
     authorization = ws.headers.get("authorization")
     if api_key and not hmac.compare_digest(
         (authorization or "").encode(), f"Bearer {api_key}".encode()
@@ -37,6 +41,12 @@ async def serve_websocket(ws: WebSocket, serving: ResponsesServing, api_key: str
         while True:
             frame = await ws.receive_text()
             try:
+                if len(frame.encode()) > max_frame_bytes:
+                    raise APIError(
+                        f"frame: larger than the server's limit of {max_frame_bytes} bytes; "
+                        "send a smaller request",
+                        413,
+                    )
                 await _respond(ws, serving, authorization, chain, frame)
             except APIError as exc:
                 await ws.send_text(json.dumps({"type": "error", "status": exc.status, **exc.body()}))

@@ -369,7 +369,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.websocket("/v1/responses")
     async def responses_websocket(ws: WebSocket):
-        await serve_websocket(ws, responses, config.api_key)
+        await serve_websocket(ws, responses, config.api_key, config.max_request_body_bytes)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, raw_request: Request, cache_salt: str | None = None):

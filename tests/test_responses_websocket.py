@@ -86,9 +86,11 @@ def test_errors_are_events_and_the_connection_stays_open(server):
         assert ok[-1]["type"] == "response.incomplete"
 
 
-def test_websocket_requires_the_api_key():
-    with launch_server("--api-key", "secret") as base:
+def test_websocket_requires_the_api_key_and_bounds_frames():
+    with launch_server("--api-key", "secret", "--max-request-body-bytes", "4096") as base:
         with pytest.raises(InvalidStatus):
             connect(ws_url(base)).close()
         with connect(ws_url(base), additional_headers={"Authorization": "Bearer secret"}) as ws:
             assert send(ws, input="hi", max_output_tokens=1, tools=None)[-1]["response"]["id"]
+            (big,) = send(ws, input="x" * 5000)
+            assert big["type"] == "error" and big["status"] == 413
