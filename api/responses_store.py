@@ -58,6 +58,10 @@ class StoredResponse:
         )
 
 
+Chain = dict[str, StoredResponse]
+"""The responses of one WebSocket connection, by id (kept while it lives, ``store`` or not)."""
+
+
 def tenant_of(authorization: str | None, cache_salt: str | None) -> str:
     """A tenant's store namespace: a digest of its ``Authorization`` header and ``cache_salt``
     (the key itself is not kept)."""

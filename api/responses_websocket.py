@@ -20,7 +20,8 @@ from contextlib import aclosing
 from fastapi import WebSocket, WebSocketDisconnect
 from prefixserve.api.protocol import APIError
 from prefixserve.api.protocol_responses import ResponsesRequest
-from prefixserve.api.serving_responses import Chain, ResponsesServing
+from prefixserve.api.responses_store import Chain
+from prefixserve.api.serving_responses import ResponsesServing
 from pydantic import ValidationError
 
 

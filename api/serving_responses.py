@@ -7,7 +7,7 @@ chat messages (``responses_items``), rendered by the chat template with its func
 each tool's ``parameters``); ``text.format`` is a structured output. With
 ``previous_response_id`` the prompt is the stored response's own token ids plus the new items'
 tokens, verified against the template (``responses_continuation``). Output text becomes typed
-output items and stream events (``responses_output``).
+output items and stream events (``responses_output``) in one ``ResponseTurn``.
 
 A stored response (``store``, the default) is written before ``response.completed`` is sent, so
 a client may continue it at once. Everything is keyed by tenant (``tenant_of``: the API key and
@@ -17,13 +17,6 @@ a client may continue it at once. Everything is keyed by tenant (``tenant_of``: 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import json
-import logging
-import time
-from array import array
-from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import Request
 from prefixserve.api.async_engine import AsyncEngine, RequestStream
@@ -31,21 +24,16 @@ from prefixserve.api.protocol import APIError, _SamplingFields, random_id
 from prefixserve.api.protocol_responses import ResponsesRequest, check_supported
 from prefixserve.api.responses_continuation import Prompt, continue_prompt, render_prompt
 from prefixserve.api.responses_items import chat_tools, normalize_input, strict_names, to_messages
-from prefixserve.api.responses_output import ResponseOutput
-from prefixserve.api.responses_store import ResponseStore, StoredResponse, tenant_of
-from prefixserve.api.serving_base import BaseServing, DeltaTracker, merge
+from prefixserve.api.responses_store import Chain, ResponseStore, StoredResponse, tenant_of
+from prefixserve.api.responses_turn import LOGPROBS, ResponseTurn
+from prefixserve.api.serving_base import BaseServing
 from prefixserve.api.serving_chat import ToolMode
 
 from prefixserve.chat_template import render_chat_text
 from prefixserve.errors import InvalidArgumentError
-from prefixserve.outputs import CompletionOutput, RequestOutput
+from prefixserve.outputs import CompletionOutput
 from prefixserve.structured_outputs.params import StructuredOutputsParams
 from prefixserve.structured_outputs.tool_calls import optional_tool_call_params, tool_call_params
-
-logger = logging.getLogger(__name__)
-LOGPROBS = "message.output_text.logprobs"
-Chain = dict[str, StoredResponse]
-"""The responses of one WebSocket connection, by id (kept while it lives, ``store`` or not)."""
 
 
 class ResponsesServing(BaseServing):
@@ -122,14 +110,14 @@ class ResponsesServing(BaseServing):
         c = final.outputs[0]
         output = turn.output()
         if req.generate:
-            output.feed(self._visible_text(c, turn.mode),
-                        self._logprobs(req, c.logprobs, c.token_ids), final=True)  # fmt: skip
+            output.feed(self.visible_text(c, turn.mode),
+                        self.logprobs_of(req, c.logprobs, c.token_ids), final=True)  # fmt: skip
             output.finish(turn.status(c))
         return turn.complete(final, output)
 
     async def start(
         self, req: ResponsesRequest, authorization: str | None, chain: Chain | None = None
-    ) -> tuple[_Turn, list[RequestStream]]:
+    ) -> tuple[ResponseTurn, list[RequestStream]]:
         """Check and prepare ``req``, add its engine request: (its turn, its stream).
 
         ``chain``: the responses of a WebSocket connection, continued from and added to whatever
@@ -164,7 +152,7 @@ class ResponsesServing(BaseServing):
             params.max_tokens = 1
         response_id = random_id("resp_")
         streams = await self.add_all(response_id, [prompt.token_ids], [params], "input")
-        turn = _Turn(self, req, response_id, model, (tenant, chain), history + new_items, prompt,
+        turn = ResponseTurn(self, req, response_id, model, (tenant, chain), history + new_items, prompt,
                      (mode, fmt, namespaces))  # fmt: skip
         return turn, streams
 
@@ -252,7 +240,7 @@ class ResponsesServing(BaseServing):
             "text",
         )
 
-    def _visible_text(self, c: CompletionOutput, mode: ToolMode) -> str:
+    def visible_text(self, c: CompletionOutput, mode: ToolMode) -> str:
         """The output text, less the EOS text that tool modes keep (special tokens shown)."""
         if mode is not ToolMode.NONE and c.finish_reason == "stop":
             for eos in self.eos_texts:
@@ -260,7 +248,7 @@ class ResponsesServing(BaseServing):
                     return c.text[: -len(eos)]
         return c.text
 
-    def _logprobs(self, req: ResponsesRequest, entries: list[dict[int, float]] | None,
+    def logprobs_of(self, req: ResponsesRequest, entries: list[dict[int, float]] | None,
                   token_ids: list[int]) -> list[dict] | None:  # fmt: skip
         """OpenAI's ``logprobs`` of output text: per token its text, bytes, logprob and the top
         ``top_logprobs``."""
@@ -277,124 +265,3 @@ class ResponsesServing(BaseServing):
             top = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:k]
             out.append({**item(token, entry[token]), "top_logprobs": [item(*t) for t in top]})
         return out
-
-
-class _Turn:
-    """One request's response: its body at each stage, its stream, and what the store keeps.
-    ``shape``: (tool mode, ``text.format``, {function name: namespace})."""
-
-    def __init__(self, serving: ResponsesServing, req: ResponsesRequest, response_id: str,
-                 model: str, owner: tuple[str, Chain | None], items: list[dict], prompt: Prompt,
-                 shape: tuple[ToolMode, dict, dict[str, str]]) -> None:  # fmt: skip
-        self.serving, self.req, self.id, self.model = serving, req, response_id, model
-        self.tenant, self.chain = owner
-        self.items, self.prompt = items, prompt
-        self.mode, self.fmt, self.namespaces = shape
-        self.created_at = int(time.time())
-
-    def status(self, c: CompletionOutput) -> str:
-        """ "incomplete" when the output hit ``max_output_tokens`` (a warm-up is complete)."""
-        return "incomplete" if c.finish_reason == "length" and self.req.generate else "completed"
-
-    def output(self) -> ResponseOutput:
-        return ResponseOutput(self.mode, LOGPROBS in (self.req.include or []), self.namespaces)
-
-    def body(self, status: str, output: list[dict], usage: dict | None = None,
-             **extra: Any) -> dict:  # fmt: skip
-        req = self.req
-        return {
-            "id": self.id, "object": "response", "created_at": self.created_at,
-            "status": status, "background": False, "error": None, "incomplete_details": None,
-            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "max_tool_calls": None, "model": self.model, "output": output,
-            "parallel_tool_calls": req.parallel_tool_calls,
-            "previous_response_id": req.previous_response_id,
-            "prompt_cache_key": req.prompt_cache_key, "reasoning": None,
-            "safety_identifier": req.safety_identifier, "service_tier": "default",
-            "store": req.store, "temperature": 1.0 if req.temperature is None else req.temperature,
-            "text": {"format": self.fmt}, "tool_choice": req.tool_choice,
-            "tools": req.tools or [], "top_logprobs": req.top_logprobs or 0,
-            "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled",
-            "usage": usage, "user": req.user, "metadata": req.metadata or {}, **extra,
-        }  # fmt: skip
-
-    def complete(self, final: RequestOutput, output: ResponseOutput) -> dict:
-        """The finished response's body; stored when the request asked for it."""
-        c = final.outputs[0]
-        status = self.status(c)
-        extra: dict[str, Any] = {}
-        if status == "incomplete":
-            extra["incomplete_details"] = {"reason": "max_output_tokens"}
-        else:
-            extra["completed_at"] = int(time.time())
-        generated = c.token_ids if self.req.generate else []
-        body = self.body(status, output.items, _usage(final, len(generated)), **extra)
-        if self.req.store or self.chain is not None:
-            entry = StoredResponse(
-                response=body, items=self.items, output_items=output.items,
-                prompt_text=self.prompt.text,
-                prompt_token_ids=array("i", final.prompt_token_ids),
-                output_token_ids=array("i", generated),
-            )  # fmt: skip
-            if self.req.store:
-                self.serving.store.put(self.tenant, self.id, entry)
-            if self.chain is not None:
-                self.chain[self.id] = entry
-        return body
-
-    async def sse(self, streams: list[RequestStream]) -> AsyncIterator[str]:
-        """``events`` as server-sent events."""
-        async for body in self.events(streams):
-            yield f"event: {body['type']}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-    async def events(self, streams: list[RequestStream]) -> AsyncIterator[dict]:
-        """The stream's events, numbered from 0: created, in_progress, the output's events, then
-        completed, incomplete or failed (a ``generate: false`` warm-up has no output events).
-        However it ends, the engine request ends with it."""
-        serving, numbers = self.serving, itertools.count()
-        output, tracker = self.output(), DeltaTracker()
-
-        def event(body: dict) -> dict:
-            return {**body, "sequence_number": next(numbers)}
-
-        try:
-            start = self.body("in_progress", [])
-            yield event({"type": "response.created", "response": start})
-            yield event({"type": "response.in_progress", "response": start})
-            async for _, out in merge(streams):
-                c = out.outputs[0]
-                d = tracker.delta(0, c, serving._visible_text(c, self.mode))
-                if d is not None and self.req.generate:
-                    done = d.finish_reason is not None
-                    logprobs = serving._logprobs(self.req, d.logprobs, d.token_ids)
-                    events = output.feed(d.text, logprobs, final=done)
-                    if done:
-                        events += output.finish(self.status(c))
-                    for body in events:
-                        yield event(body)
-                if out.finished:
-                    body = self.complete(out, output)
-                    yield event({"type": f"response.{body['status']}", "response": body})
-        except APIError as exc:
-            yield event(self._failed(output, str(exc), exc.type))
-        except Exception as exc:
-            logger.exception("responses stream failed")
-            yield event(self._failed(output, str(exc), "server_error"))
-        finally:
-            serving.abort_all(streams)
-
-    def _failed(self, output: ResponseOutput, message: str, code: str) -> dict:
-        error = {"code": code, "message": message}
-        return {"type": "response.failed",
-                "response": self.body("failed", output.items, error=error)}  # fmt: skip
-
-
-def _usage(final: RequestOutput, generated: int) -> dict:
-    prompt = len(final.prompt_token_ids)
-    return {
-        "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
-        "output_tokens": generated,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": prompt + generated,
-    }
