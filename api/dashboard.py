@@ -8,6 +8,7 @@ from successive polls.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from fastapi import APIRouter
@@ -38,7 +39,11 @@ def stats(engine: AsyncEngine, metrics: ServerMetrics) -> dict:
     }
 
 
-def dashboard_router(engine: AsyncEngine, metrics: ServerMetrics) -> APIRouter:
+def dashboard_router(
+    engine: AsyncEngine, metrics: ServerMetrics, *extras: Callable[[], dict]
+) -> APIRouter:
+    """``extras``: more figures for /stats, each a callable giving a dict (a protocol front's
+    own figures, shown in its card on the page)."""
     router = APIRouter()
     page = _PAGE.read_text(encoding="utf-8")
 
@@ -48,6 +53,9 @@ def dashboard_router(engine: AsyncEngine, metrics: ServerMetrics) -> APIRouter:
 
     @router.get("/stats")
     async def get_stats() -> dict:
-        return stats(engine, metrics)
+        out = stats(engine, metrics)
+        for extra in extras:
+            out.update(extra())
+        return out
 
     return router

@@ -1,6 +1,7 @@
 """The FastAPI app (``create_app``) and the uvicorn runner behind ``prefixserve serve``.
 
-Routes: /v1/chat/completions, /v1/completions, /v1/models, /health, /version, /tokenize,
+Routes: /v1/chat/completions, /v1/completions, /v1/responses (+ GET/DELETE
+/v1/responses/{id}, .../input_items), /v1/models, /health, /version, /tokenize,
 /detokenize, /metrics, /dashboard, /stats. Every error is an OpenAI-shaped body: 400 for any
 invalid input (schema, JSON, values, context length), 401 for a missing or wrong API key on /v1/*,
 404 for an unknown model, 408 past ``request_timeout``, 413 for a body over
@@ -26,7 +27,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from types import FrameType
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prefixserve.api.async_engine import RETRY_AFTER_SECONDS, AsyncEngine, EngineDeadError
@@ -42,8 +43,18 @@ from prefixserve.api.protocol import (
     TokenizeRequest,
     error_body,
 )
+from prefixserve.api.protocol_responses import ResponsesRequest
+from prefixserve.api.responses_metrics import ResponsesCollector
+from prefixserve.api.responses_store import (
+    DEFAULT_MAX_AGE_S,
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_ENTRIES,
+    ResponseStore,
+)
+from prefixserve.api.responses_websocket import serve_websocket
 from prefixserve.api.serving_chat import ChatServing
 from prefixserve.api.serving_completion import CompletionServing
+from prefixserve.api.serving_responses import ResponsesServing
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import prefixserve
@@ -68,6 +79,7 @@ class ServerConfig:
     ``require_cache_salt``: refuse requests without a ``cache_salt``.
     ``chat_template_content_format``: how message content reaches the chat template (``auto``,
     ``string``, ``openai``; see ``prefixserve.chat_template``).
+    ``responses_store_*``: the bounds of the Responses store (entries, bytes, seconds).
     """
 
     served_model_names: list[str]
@@ -80,6 +92,9 @@ class ServerConfig:
     shutdown_grace_seconds: float = DEFAULT_SHUTDOWN_GRACE_SECONDS
     require_cache_salt: bool = False
     chat_template_content_format: str = "auto"
+    responses_store_max_entries: int = DEFAULT_MAX_ENTRIES
+    responses_store_max_bytes: int = DEFAULT_MAX_BYTES
+    responses_store_max_age_s: float = DEFAULT_MAX_AGE_S
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1:
@@ -234,6 +249,7 @@ def create_app(
     )
     app = build_app(engine, config)
     app.state.metrics = metrics
+    metrics.registry.register(ResponsesCollector(names[0], app.state.responses))
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -241,7 +257,7 @@ def create_app(
             metrics.render(engine.snapshot()), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
 
-    app.include_router(dashboard_router(engine, metrics))
+    app.include_router(dashboard_router(engine, metrics, app.state.responses.stats))
     return app
 
 
@@ -258,6 +274,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         reasoning_parser=config.reasoning_parser, **options,
     )  # fmt: skip
     completion = CompletionServing(engine, names, **options)
+    store = ResponseStore(
+        config.responses_store_max_entries,
+        config.responses_store_max_bytes,
+        config.responses_store_max_age_s,
+    )
+    responses = ResponsesServing(
+        engine, names, config.tool_call_parser, store, config.chat_template_content_format,
+        **options,
+    )  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -269,6 +294,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="prefixserve", version=prefixserve.__version__, lifespan=lifespan)
     app.state.engine, app.state.config = engine, config
+    app.state.responses = responses
 
     @app.exception_handler(APIError)
     async def on_api_error(_: Request, exc: APIError):
@@ -338,6 +364,33 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw_request: Request):
         return _respond(await completion.create(req, raw_request))
+
+    @app.post("/v1/responses")
+    async def create_response(req: ResponsesRequest, raw_request: Request):
+        return _respond(await responses.create(req, raw_request))
+
+    @app.websocket("/v1/responses")
+    async def responses_websocket(ws: WebSocket):
+        await serve_websocket(ws, responses, config.api_key, config.max_request_body_bytes)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, raw_request: Request, cache_salt: str | None = None):
+        return responses.lookup(raw_request.headers.get("authorization"), response_id,
+                                cache_salt).response  # fmt: skip
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(
+        response_id: str, raw_request: Request, cache_salt: str | None = None
+    ):
+        return responses.delete(raw_request.headers.get("authorization"), response_id, cache_salt)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(
+        response_id: str, raw_request: Request, cache_salt: str | None = None, limit: int = 20,
+        order: str = "desc", after: str | None = None,
+    ):  # fmt: skip
+        entry = responses.lookup(raw_request.headers.get("authorization"), response_id, cache_salt)
+        return responses.input_items(entry, limit, order, after)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):

@@ -51,6 +51,33 @@ def render_chat(
 ) -> list[int]:
     """Prompt token ids of a conversation; raises ``InvalidArgumentError`` (param "messages" or
     the option at fault) on anything the template cannot take."""
+    text = render_chat_text(
+        tokenizer,
+        messages,
+        tools=tools,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        content_format=content_format,
+        chat_template=chat_template,
+        chat_template_kwargs=chat_template_kwargs,
+        documents=documents,
+    )
+    return tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+
+def render_chat_text(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[dict] | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    content_format: str = "auto",
+    chat_template: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    documents: list[dict] | None = None,
+) -> str:
+    """The text the chat template renders for a conversation (``render_chat`` tokenizes it)."""
     if add_generation_prompt and continue_final_message:
         raise InvalidArgumentError(
             "continue_final_message: cannot be combined with add_generation_prompt=true; set "
@@ -77,7 +104,7 @@ def render_chat(
         conversation = [_parsed_arguments(m) for m in conversation]
     kwargs = dict(chat_template_kwargs or {})
     try:
-        text = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             conversation,
             tools=tools,
             documents=documents,
@@ -91,7 +118,6 @@ def render_chat(
         raise InvalidArgumentError(
             f"messages: the chat template failed: {exc}", "messages"
         ) from exc
-    return tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
 
 def _normalize(index: int, message: dict[str, Any], fmt: str) -> dict[str, Any]:

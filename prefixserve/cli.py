@@ -139,6 +139,30 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="refuse requests without a cache_salt (one prefix-cache namespace per tenant)",
     )
+    from prefixserve.api.responses_store import (
+        DEFAULT_MAX_AGE_S,
+        DEFAULT_MAX_BYTES,
+        DEFAULT_MAX_ENTRIES,
+    )
+
+    p.add_argument(
+        "--responses-store-max-entries",
+        type=int,
+        default=DEFAULT_MAX_ENTRIES,
+        help="stored /v1/responses kept for previous_response_id (least recently used go first)",
+    )
+    p.add_argument(
+        "--responses-store-max-bytes",
+        type=int,
+        default=DEFAULT_MAX_BYTES,
+        help="bytes the Responses store may hold (bodies, items, text, token ids)",
+    )
+    p.add_argument(
+        "--responses-store-max-age",
+        type=float,
+        default=DEFAULT_MAX_AGE_S,
+        help="seconds a stored response lives",
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -155,6 +179,9 @@ def run_serve(args: argparse.Namespace) -> int:
         shutdown_grace_seconds=args.shutdown_grace_seconds,
         require_cache_salt=args.require_cache_salt,
         chat_template_content_format=args.chat_template_content_format,
+        responses_store_max_entries=args.responses_store_max_entries,
+        responses_store_max_bytes=args.responses_store_max_bytes,
+        responses_store_max_age_s=args.responses_store_max_age,
     )
     from prefixserve.scale_out.launcher import run_scale_out, wants_scale_out
 

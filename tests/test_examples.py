@@ -58,3 +58,14 @@ def test_structured_agent_calls_every_turn_and_reports_json(base_url):
     assert len(re.findall(r"called host_status\(host=", out)) == 3
     assert len(cached) == 4 and cached[1] > 0 and cached[2] > cached[1]
     assert "report: {" in out
+
+
+def test_responses_agent_continues_from_the_cache(base_url):
+    out = run_example("responses_agent.py", base_url, "--turns", "3")
+    cached = [int(m) for m in re.findall(r"cached (\d+)", out)]
+    prompts = [int(m) for m in re.findall(r"prompt (\d+) tokens", out)]
+    assert len(re.findall(r"called host_status\(host=", out)) == 3
+    assert len(cached) == 4 and all(c > 0 for c in cached[1:])
+    # each continuation reuses all but the previous turn's partial block and new items
+    assert all(p - c < 80 for p, c in zip(prompts[1:], cached[1:]))
+    assert "report: {" in out

@@ -233,6 +233,31 @@ def test_the_ingress_serves_the_same_api(prefix_client: httpx.Client) -> None:
     assert client.get("/dashboard").status_code == 200
 
 
+def test_a_responses_chain_continues_on_the_replica_that_holds_it(prefix_client) -> None:
+    """The ingress owns the Responses store; each continuation's prompt is the previous
+    response's own ids plus the new item, so the router sends it where those blocks are, and
+    every full block of the previous prompt and output is a hit."""
+    before = routed(prefix_client)
+    tools = [{"type": "function", "name": "step", "parameters": {"type": "object", "properties":
+              {"n": {"type": "integer", "enum": [1, 2]}}, "required": ["n"]}}]  # fmt: skip
+    body = {"model": MODEL, "instructions": system_prompt(2000), "tools": tools,
+            "tool_choice": "required", "temperature": 0}  # fmt: skip
+    r = prefix_client.post("/v1/responses", json={**body, "input": "go"})
+    assert r.status_code == 200, r.text
+    for turn in range(3):
+        prev = r.json()
+        output = {"type": "function_call_output", "call_id": prev["output"][0]["call_id"],
+                  "output": f"done {turn}"}  # fmt: skip
+        r = prefix_client.post("/v1/responses", json={
+            **body, "input": [output], "previous_response_id": prev["id"]})  # fmt: skip
+        assert r.status_code == 200, r.text
+        full = prev["usage"]["input_tokens"] + prev["usage"]["output_tokens"] - 1
+        assert r.json()["usage"]["input_tokens_details"]["cached_tokens"] >= full // BS * BS
+    after = routed(prefix_client)
+    moved = sorted(after.get(k, 0) - before.get(k, 0) for k in after)
+    assert moved[-1] == 4 and sum(moved) == 4  # all four requests on one replica
+
+
 def test_a_burst_of_one_new_prefix_lands_on_one_replica(prefix_client: httpx.Client) -> None:
     before = routed(prefix_client)
     system = system_prompt(1000)

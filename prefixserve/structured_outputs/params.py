@@ -38,12 +38,15 @@ class ToolCallSpec:
     as ``canonical_json`` text, or None for a function that takes no parameters (its arguments
     are exactly ``{}``). ``parallel`` allows one or more calls; otherwise exactly one call is
     generated. ``syntax``: the family's tool-call syntax (``tool_call_syntaxes.SYNTAXES``; hermes
-    by default).
+    by default). ``optional`` (``tool_choice`` "auto" with strict tools, hermes syntax): free
+    text, in which a call may start wherever ``<tool_call>`` is written, and then must be a
+    complete call of a listed function (``parallel``: any number of calls).
     """
 
     functions: tuple[tuple[str, str | None], ...]
     parallel: bool
     syntax: str = "hermes"
+    optional: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,9 +118,7 @@ class StructuredOutputsParams:
         if kind == "tool_calls":
             spec = self.tool_calls
             assert spec is not None
-            if spec.syntax == "hermes":
-                return kind, canonical_json([spec.functions, spec.parallel])
-            return kind, canonical_json([spec.functions, spec.parallel, spec.syntax])
+            return kind, canonical_json([spec.functions, spec.parallel, spec.syntax, spec.optional])
         if kind == "json_object":
             return kind, ""
         return kind, getattr(self, kind)

@@ -21,7 +21,7 @@ import json
 from typing import Any
 
 from prefixserve.errors import InvalidArgumentError
-from prefixserve.structured_outputs.json_grammar import json_schema_ebnf
+from prefixserve.structured_outputs.json_grammar import ANY_OBJECT, json_schema_ebnf
 from prefixserve.structured_outputs.params import (
     StructuredOutputsParams,
     ToolCallSpec,
@@ -70,6 +70,22 @@ def tool_call_params(
     return StructuredOutputsParams(tool_calls=spec, reasoning=reasoning)
 
 
+def optional_tool_call_params(
+    tools: list[dict[str, Any]], strict: set[str], parallel: bool
+) -> StructuredOutputsParams:
+    """Params for ``tool_choice`` "auto" with strict tools: free text, and every call (which
+    starts at ``<tool_call>``) names a listed function, with arguments that match its
+    ``parameters`` when it is in ``strict`` (else any object). ``parallel``: any number of
+    calls, else at most one, after which only EOS may follow."""
+    functions = [_function(tool) for tool in tools]
+    if not functions:
+        raise InvalidArgumentError("tools: strict tool calls need tools.", param="tools")
+    checked = tuple(
+        (name, params if name in strict else ANY_OBJECT) for name, params in functions
+    )
+    return StructuredOutputsParams(tool_calls=ToolCallSpec(checked, parallel, optional=True))
+
+
 def tool_call_structural_tag(spec: ToolCallSpec) -> dict[str, Any]:
     """The xgrammar structural tag that generates ``spec``'s calls.
 
@@ -89,6 +105,17 @@ def tool_call_structural_tag(spec: ToolCallSpec) -> dict[str, Any]:
         }
         for name, parameters in spec.functions
     ]
+    if spec.optional:
+        return {
+            "type": "structural_tag",
+            "format": {
+                "type": "triggered_tags",
+                "triggers": ["<tool_call>"],
+                "tags": tags,
+                "at_least_one": False,
+                "stop_after_first": not spec.parallel,
+            },
+        }
     return {
         "type": "structural_tag",
         "format": {

@@ -1,0 +1,42 @@
+"""Prometheus figures of the Responses front, read at scrape time from its live objects:
+continuations by how their prompt was built, and the store's size and evictions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prefixserve.api.serving_responses import ResponsesServing
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+
+class ResponsesCollector(Collector):
+    def __init__(self, model_name: str, serving: ResponsesServing) -> None:
+        self.model_name = model_name
+        self.serving = serving
+
+    def collect(self) -> Iterator[Metric]:
+        label, store = [self.model_name], self.serving.store
+        continuations = CounterMetricFamily(
+            "prefixserve_responses_continuations",
+            "Responses requests with previous_response_id, by prompt: token_exact (the stored "
+            "ids spliced) or rerendered (the template rewrote history).",
+            labels=["model_name", "kind"],
+        )
+        for kind, count in self.serving.continuations.items():
+            continuations.add_metric([*label, kind], count)
+        yield continuations
+        for name, doc, value in (
+            ("prefixserve_responses_store_entries", "Responses held in the store.", len(store)),
+            ("prefixserve_responses_store_bytes", "Bytes the Responses store holds.", store.nbytes),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge.add_metric(label, value)
+            yield gauge
+        evictions = CounterMetricFamily(
+            "prefixserve_responses_store_evictions",
+            "Stored responses dropped for the store's entry, byte or age limit.",
+            labels=["model_name"],
+        )
+        evictions.add_metric(label, store.evictions)
+        yield evictions

@@ -1,0 +1,67 @@
+"""A tool-calling agent over the Responses API, continued with ``previous_response_id``.
+
+Each turn forces a tool call (``tool_choice="required"``), "runs" it, and sends back only the
+tool's result, naming the previous response: the server builds the prompt from that response's
+own token ids (a token-exact continuation) plus the new item, so every turn reuses the whole
+conversation from the prefix cache. The script prints each turn's cached share of its prompt, and
+ends with a JSON report (``text.format``). Works with the built-in random-weight model.
+
+    python examples/responses_agent.py --base-url http://127.0.0.1:8000/v1 --turns 4
+"""
+
+from __future__ import annotations
+
+import json
+
+from common import connect, example_parser
+
+INSTRUCTIONS = "You are an operations agent. Inspect hosts with the tools, then report. " * 2
+TOOLS = [{
+    "type": "function", "name": "host_status", "description": "CPU load and error rate of a host.",
+    "parameters": {"type": "object", "properties": {"host": {"type": "string", "maxLength": 12}},
+                   "required": ["host"], "additionalProperties": False},
+}]  # fmt: skip
+REPORT = {
+    "type": "object",
+    "properties": {
+        "unhealthy": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
+        "summary": {"type": "string", "maxLength": 40},
+    },
+    "required": ["unhealthy", "summary"],
+}
+
+
+def main() -> None:
+    parser = example_parser(__doc__)
+    parser.add_argument("--turns", type=int, default=4)
+    args, client, model = connect(parser)
+    common = dict(model=model, instructions=INSTRUCTIONS, tools=TOOLS, temperature=1.0)
+    response = client.responses.create(
+        input="Which of web-0 .. web-9 is unhealthy?", tool_choice="required",
+        parallel_tool_calls=False, max_output_tokens=64, **common,
+    )  # fmt: skip
+    for turn in range(args.turns):
+        call = next(item for item in response.output if item.type == "function_call")
+        host = json.loads(call.arguments)["host"]
+        usage = response.usage
+        cached = usage.input_tokens_details.cached_tokens
+        print(f"turn {turn}: prompt {usage.input_tokens} tokens, cached {cached} "
+              f"({cached / usage.input_tokens:.0%}); called {call.name}(host={host!r})")  # fmt: skip
+        result = {"host": host, "cpu": 0.9 if turn % 2 else 0.2, "errors": turn}
+        last = turn == args.turns - 1
+        response = client.responses.create(
+            previous_response_id=response.id,
+            input=[{"type": "function_call_output", "call_id": call.call_id,
+                    "output": json.dumps(result)}],
+            tool_choice="none" if last else "required", parallel_tool_calls=False,
+            max_output_tokens=160 if last else 64,
+            text={"format": {"type": "json_schema", "name": "report", "schema": REPORT}},
+            **common,
+        )  # fmt: skip
+    usage = response.usage
+    print(f"report: {response.output_text} "
+          f"(prompt {usage.input_tokens} tokens, cached {usage.input_tokens_details.cached_tokens})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""The Codex CLI (npm ``@openai/codex``, pinned), unchanged, against a live ``prefixserve serve``
+over the Responses API: a turn that answers, and a turn in which the model calls Codex's
+``exec_command`` tool and gets the command's output back.
+
+Codex's prompt (tools and instructions) is about 5,600 tokens of the built-in tokenizer, past the
+built-in model's 4,096 positions, so the server runs a tiny random checkpoint with 16,384.
+"""
+
+from __future__ import annotations
+
+import pytest
+from checkpoints import make_checkpoint
+from codex_cli import (
+    codex_binary,
+    codex_home,
+    run_codex,
+    steering_proxy,
+    steering_websocket_proxy,
+)
+from servers import metric, scrape, server_process
+
+MODEL = "codex-test"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def codex():
+    return codex_binary()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = make_checkpoint("qwen2", tmp_path_factory.mktemp("ckpt"), max_position_embeddings=16384)
+    with server_process(str(folder), "--max-model-len", "16384", "--served-model-name", MODEL,
+                        "--tool-call-parser", "hermes", num_kv_blocks=4096) as (_, base):  # fmt: skip
+        yield base
+
+
+def test_codex_exec_answers_over_http(codex, server, tmp_path):
+    home = codex_home(tmp_path / "home", f"{server}/v1", MODEL)
+    done = run_codex(codex, home, tmp_path / "work", "say hi")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "tokens used" in done.stderr + done.stdout
+
+
+def test_codex_runs_exec_command_and_reads_its_output(codex, server, tmp_path):
+    with steering_proxy(server, "echo codex-ok") as (url, recorded):
+        home = codex_home(tmp_path / "home", url, MODEL)
+        done = run_codex(codex, home, tmp_path / "work", "run a command")
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, second = recorded[0], recorded[1]
+    assert first["stream"] is True and first["store"] is False
+    (call,) = [i for i in second["input"] if i.get("type") == "function_call"]
+    assert call["name"] == "exec_command" and call["arguments"] == '{"cmd": "echo codex-ok"}'
+    (result,) = [i for i in second["input"] if i.get("type") == "function_call_output"]
+    assert "codex-ok" in str(result["output"])
+
+
+def test_codex_over_websocket_continues_token_exact(codex, server, tmp_path):
+    """Codex's WebSocket mode: a warm-up, then frames that continue the previous response with
+    only their new items (store: false), the tool result included; each continuation is spliced
+    from the connection's own chain."""
+    before = metric(scrape(server), "prefixserve_responses_continuations_total",
+                    model_name=MODEL, kind="token_exact")  # fmt: skip
+    with steering_websocket_proxy(server, "echo codex-ok") as (url, frames):
+        home = codex_home(tmp_path / "home", url, MODEL, websockets=True)
+        done = run_codex(codex, home, tmp_path / "work", "run a command")
+    assert done.returncode == 0, done.stderr[-2000:]
+    warmup, *turns = frames
+    assert warmup["generate"] is False and "previous_response_id" not in warmup
+    assert len(turns) >= 2 and all(t.get("previous_response_id") for t in turns)
+    assert all(t["store"] is False for t in frames)
+    assert [i["type"] for i in turns[1]["input"]] == ["function_call_output"]
+    assert "codex-ok" in str(turns[1]["input"][0]["output"])
+    after = metric(scrape(server), "prefixserve_responses_continuations_total",
+                   model_name=MODEL, kind="token_exact")  # fmt: skip
+    assert after - before == len(turns)

@@ -1,0 +1,100 @@
+"""Responses items -> chat messages, and which tools are accepted."""
+
+from __future__ import annotations
+
+import pytest
+from prefixserve.api.protocol import APIError
+from prefixserve.api.responses_items import chat_tools, normalize_input, to_messages
+
+
+def test_string_input_is_one_user_message_with_an_id():
+    (item,) = normalize_input("hi")
+    assert item["type"] == "message" and item["role"] == "user" and item["id"].startswith("msg_")
+    assert item["content"] == [{"type": "input_text", "text": "hi"}]
+    assert to_messages([item]) == [{"role": "user", "content": "hi"}]
+
+
+def test_items_become_messages_calls_join_the_assistant_turn():
+    items = normalize_input([
+        {"role": "developer", "content": [{"type": "input_text", "text": "rules"}]},
+        {"type": "message", "role": "user", "content": "weather?", "id": "msg_mine"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "think"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": '{"a": 1}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "one"},
+        {"type": "function_call_output", "call_id": "c2",
+         "output": [{"type": "input_text", "text": "two"}]},
+        {"type": "function_call", "call_id": "c3", "name": "f", "arguments": "{}"},
+    ])  # fmt: skip
+    assert items[1]["id"] == "msg_mine"
+    assert to_messages(items) == [
+        {"role": "system", "content": "rules"},
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "Let me look.", "reasoning_content": "think",
+         "tool_calls": [
+             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+             {"id": "c2", "type": "function", "function": {"name": "g", "arguments": '{"a": 1}'}},
+         ]},
+        {"role": "tool", "tool_call_id": "c1", "content": "one"},
+        {"role": "tool", "tool_call_id": "c2", "content": "two"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c3", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        ([{"type": "item_reference", "id": "x"}], "item_reference"),
+        ([{"role": "tool", "content": "x"}], "role"),
+        ([{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}], "text only"),
+        ([{"type": "function_call", "name": "f", "arguments": "{}"}], "call_id"),
+        ([{"type": "function_call_output", "call_id": "c"}], "output"),
+        (["hi"], "object"),
+    ],
+)
+def test_bad_items_are_refused_by_index(raw, match):
+    with pytest.raises(APIError, match=match) as err:
+        normalize_input(raw)
+    assert err.value.status == 400 and err.value.param == "input"
+    assert "input[0]" in err.value.message
+
+
+def test_function_tools_map_and_others_are_refused_by_name():
+    tools = [{"type": "function", "name": "f", "description": "d", "strict": True,
+              "parameters": {"type": "object"}}]  # fmt: skip
+    assert chat_tools(tools)[0] == [{"type": "function", "function": {
+        "name": "f", "description": "d", "parameters": {"type": "object"}}}]  # fmt: skip
+    assert chat_tools(None) == (None, {})
+    for kind in ("web_search", "file_search", "computer_use_preview", "code_interpreter", "mcp",
+                 "custom", "tool_search"):  # fmt: skip
+        with pytest.raises(APIError, match=repr(kind)) as err:
+            chat_tools([{"type": kind}])
+        assert err.value.status == 400 and err.value.param == "tools"
+
+
+def test_namespace_functions_are_flattened_and_remember_their_namespace():
+    tools = [{"type": "function", "name": "f"},
+             {"type": "namespace", "name": "agents", "tools": [
+                 {"type": "function", "name": "spawn", "parameters": {"type": "object"}}]}]  # fmt: skip
+    defs, namespaces = chat_tools(tools)
+    assert [d["function"]["name"] for d in defs] == ["f", "spawn"]
+    assert namespaces == {"spawn": "agents"}
+    with pytest.raises(APIError, match="'f' is given twice"):
+        chat_tools([*tools, {"type": "namespace", "name": "n", "tools": [{"type": "function",
+                                                                            "name": "f"}]}])
+    with pytest.raises(APIError, match="'custom'"):
+        chat_tools([{"type": "namespace", "name": "n", "tools": [{"type": "custom"}]}])
+
+
+def test_strict_is_true_unless_set_false():
+    from prefixserve.api.responses_items import strict_names
+
+    tools = [{"type": "function", "name": "a"}, {"type": "function", "name": "b", "strict": False},
+             {"type": "function", "name": "c", "strict": True},
+             {"type": "namespace", "name": "n", "tools": [
+                 {"type": "function", "name": "d", "strict": None},
+                 {"type": "function", "name": "e", "strict": False}]}]  # fmt: skip
+    assert strict_names(tools) == {"a", "c", "d"}
+    assert strict_names(None) == set()

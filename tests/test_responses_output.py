@@ -1,0 +1,94 @@
+"""Output items and typed stream events built from the model's text, per tool mode."""
+
+from __future__ import annotations
+
+from prefixserve.api.responses_output import ResponseOutput
+from prefixserve.api.serving_chat import ToolMode
+
+CALLS = ('<tool_call>\n{"name": "f", "arguments": {"a": [1, 2]}}\n</tool_call>\n'
+         '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>')  # fmt: skip
+
+
+def run(mode: ToolMode, pieces: list[str], status: str = "completed") -> tuple[ResponseOutput, list]:
+    out = ResponseOutput(mode)
+    events = []
+    for i, piece in enumerate(pieces):
+        events += out.feed(piece, final=i == len(pieces) - 1)
+    return out, events + out.finish(status)
+
+
+def strip_ids(items: list[dict]) -> list[dict]:
+    return [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in items]
+
+
+def test_text_events_in_openai_order():
+    out, events = run(ToolMode.NONE, ["Hel", "lo", " there"])
+    assert [e["type"] for e in events] == [
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+    ]  # fmt: skip
+    assert events[0]["item"]["content"] == [] and events[0]["item"]["status"] == "in_progress"
+    assert "".join(e["delta"] for e in events if e.get("delta") is not None) == "Hello there"
+    (item,) = out.items
+    assert item["status"] == "completed" and item["content"][0]["text"] == "Hello there"
+    assert events[-1]["item"] == item and out.text == "Hello there"
+    assert {e["output_index"] for e in events} == {0}
+
+
+def test_forced_calls_stream_arguments_and_match_the_whole_text():
+    pieces = [CALLS[i : i + 7] for i in range(0, len(CALLS), 7)]
+    out, events = run(ToolMode.REQUIRED, pieces)
+    whole, _ = run(ToolMode.REQUIRED, [CALLS])
+    assert strip_ids(out.items) == strip_ids(whole.items) == [
+        {"type": "function_call", "status": "completed", "name": "f", "arguments": '{"a": [1, 2]}'},
+        {"type": "function_call", "status": "completed", "name": "g", "arguments": "{}"},
+    ]  # fmt: skip
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "response.output_item.added" and kinds[-1] == "response.output_item.done"
+    assert kinds.count("response.function_call_arguments.done") == 2
+    for index in (0, 1):
+        mine = [e for e in events if e["output_index"] == index]
+        deltas = "".join(e["delta"] for e in mine if "delta" in e)
+        assert deltas == out.items[index]["arguments"]
+        assert [e["type"] for e in mine][-2:] == [
+            "response.function_call_arguments.done", "response.output_item.done"]  # fmt: skip
+    done = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+    assert [e["name"] for e in done] == ["f", "g"]
+
+
+def test_a_call_cut_short_is_neither_streamed_nor_returned():
+    """As chat completions (and OpenAI): a forced call cut off by the token limit gives no
+    item; the complete calls before it stay."""
+    out, events = run(ToolMode.NAMED, [CALLS[:40]], status="incomplete")
+    assert out.items == [] and events == []
+    cut = CALLS.index("<tool_call>", 10) + 20
+    out, events = run(ToolMode.REQUIRED, [CALLS[:cut]], status="incomplete")
+    assert [item["name"] for item in out.items] == ["f"]
+    assert out.items[0]["status"] == "completed"
+
+
+def test_auto_mode_text_then_parsed_calls():
+    out, events = run(ToolMode.AUTO, ["Sure. <tool", "_call>", '{"name": "f", "arguments": {}}',
+                                      "</tool_call>"])  # fmt: skip
+    assert [item["type"] for item in out.items] == ["message", "function_call"]
+    assert out.items[0]["content"][0]["text"] == "Sure. "
+    assert out.items[1]["name"] == "f" and out.items[1]["arguments"] == "{}"
+    added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
+    done = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
+    assert added == done == [0, 1]
+
+
+def test_logprobs_ride_on_deltas_and_the_part():
+    out = ResponseOutput(ToolMode.NONE, with_logprobs=True)
+    lp = [{"token": "a", "logprob": -0.1, "bytes": [97], "top_logprobs": []}]
+    events = out.feed("a", lp) + out.finish("completed")
+    assert events[2]["logprobs"] == lp and out.items[0]["content"][0]["logprobs"] == lp
+    assert events[1]["part"]["logprobs"] == []  # the part as it was when added
+
+
+def test_a_namespaced_function_call_names_its_namespace():
+    out = ResponseOutput(ToolMode.REQUIRED, namespaces={"g": "tools"})
+    out.feed(CALLS, final=True)
+    out.finish("completed")
+    assert "namespace" not in out.items[0] and out.items[1]["namespace"] == "tools"
