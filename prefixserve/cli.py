@@ -193,6 +193,13 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         help="message content as one string or as OpenAI parts (auto: what the template reads)",
     )
     p.add_argument(
+        "--keep-attribution-header",
+        dest="drop_attribution_header",
+        action="store_false",
+        help="show the model Claude Code's per-session 'x-anthropic-billing-header' system block "
+        "(default: left out of /v1/messages prompts, so sessions share their prefix)",
+    )
+    p.add_argument(
         "--require-cache-salt",
         action="store_true",
         help="refuse requests without a cache_salt (one prefix-cache namespace per tenant)",
@@ -212,6 +219,7 @@ def run_serve(args: argparse.Namespace) -> int:
         shutdown_grace_seconds=args.shutdown_grace_seconds,
         require_cache_salt=args.require_cache_salt,
         chat_template_content_format=args.chat_template_content_format,
+        drop_attribution_header=args.drop_attribution_header,
     )
     from prefixserve.scale_out.launcher import run_scale_out, wants_scale_out
 
