@@ -83,11 +83,7 @@ def to_chat_request(
         fields["tools"] = [_tool(i, t) for i, t in enumerate(req.tools)]
     fields.update(_tool_choice(req.tool_choice, bool(req.tools), can_parse_calls))
     if isinstance(req, MessagesRequest):
-        fields.update(
-            max_tokens=req.max_tokens, stop=req.stop_sequences, stream=req.stream,
-            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-            cache_salt=req.cache_salt,
-        )  # fmt: skip
+        fields.update(req.sampling_fields(), stop=req.stop_sequences)
     return ChatCompletionRequest(**fields)
 
 

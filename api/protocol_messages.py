@@ -43,7 +43,9 @@ class CountTokensRequest(_Lenient):
 
 
 class MessagesRequest(CountTokensRequest):
-    """``POST /v1/messages``. ``cache_salt`` is prefixserve's (as in chat completions)."""
+    """``POST /v1/messages``. The fields after ``metadata`` are prefixserve's extensions, with
+    their chat-completions meaning (the current Anthropic SDK sends even ``temperature`` through
+    ``extra_body``)."""
 
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
@@ -52,7 +54,18 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = None
     top_k: int | None = None
     metadata: dict[str, Any] | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
     cache_salt: str | None = None
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """What the chat request takes over unchanged."""
+        return self.model_dump(include={
+            "max_tokens", "stream", "temperature", "top_p", "top_k", "seed", "min_p",
+            "repetition_penalty", "ignore_eos", "min_tokens", "cache_salt"})  # fmt: skip
 
 
 class MessagesUsage(BaseModel):
