@@ -77,7 +77,8 @@ class ServerConfig:
     ``chat_template_content_format``: how message content reaches the chat template (``auto``,
     ``string``, ``openai``; see ``prefixserve.chat_template``).
     ``drop_attribution_header``: leave Claude Code's per-session attribution block out of
-    Messages prompts (``api/messages_prompt.py``).
+    Messages prompts (``api/messages_prompt.py``). ``messages_force_tool_call``: a testing aid
+    (``MessagesServing``).
     """
 
     served_model_names: list[str]
@@ -90,6 +91,7 @@ class ServerConfig:
     require_cache_salt: bool = False
     chat_template_content_format: str = "auto"
     drop_attribution_header: bool = True
+    messages_force_tool_call: dict | None = None
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1:
@@ -277,7 +279,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         engine, names, config.tool_call_parser, config.chat_template_content_format, **options
     )
     completion = CompletionServing(engine, names, **options)
-    messages = MessagesServing(chat, config.drop_attribution_header)
+    messages = MessagesServing(
+        chat, config.drop_attribution_header, config.messages_force_tool_call
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -10,9 +10,10 @@ event stream::
     stop_sequence, final usage) -> message_stop
 
 with a ``ping`` every ``PING_INTERVAL_S`` of silence, and an ``error`` event if it fails midway.
-``message_start`` waits for the request's first output (at most ``PING_INTERVAL_S``) so that its
-usage already splits the prompt by the cache; after a longer wait it counts the whole prompt as
-``input_tokens`` and ``message_delta`` carries the split (cumulative totals, as Anthropic's do).
+``message_start`` waits for the request's first output (at most ``FIRST_OUTPUT_WAIT_S``) so that
+its usage already splits the prompt by the cache (Claude Code reads usage there); after a longer
+wait it counts the whole prompt as ``input_tokens`` and ``message_delta`` carries the split
+(cumulative totals, as Anthropic's do).
 
 Invariant: the blocks of a stream, concatenated per block, equal the non-streamed content for the
 same output, except that a text block may keep whitespace the non-streamed one strips.
@@ -46,6 +47,7 @@ from prefixserve.outputs import CompletionOutput, RequestOutput
 logger = logging.getLogger(__name__)
 
 PING_INTERVAL_S = 10.0
+FIRST_OUTPUT_WAIT_S = 30.0
 
 
 def usage_of(out: RequestOutput, block_size: int | None) -> MessagesUsage:
@@ -101,11 +103,21 @@ def event(kind: str, body: dict) -> str:
 
 class MessagesServing:
     """The Messages endpoints over ``chat`` (which owns the engine and the served names).
-    ``drop_attribution``: leave out Claude Code's attribution block (``messages_prompt``)."""
+    ``drop_attribution``: leave out Claude Code's attribution block (``messages_prompt``).
 
-    def __init__(self, chat: ChatServing, drop_attribution: bool = True) -> None:
+    ``force_tool_call`` (a testing aid, ``--messages-force-tool-call``): ``{"name", "input_schema"}``.
+    A request that lists a tool of that name and whose last user or assistant message is the
+    user's own turn (no tool_result in it) is answered with a forced call of that tool whose input matches
+    ``input_schema``, as if it had ``tool_choice {"type": "tool"}``; the prompt still shows the
+    tool's own schema. It lets an agent client drive a random-weight model through a tool turn.
+    """
+
+    def __init__(
+        self, chat: ChatServing, drop_attribution: bool = True, force_tool_call: dict | None = None
+    ) -> None:
         self.chat = chat
         self.drop_attribution = drop_attribution
+        self.force_tool_call = force_tool_call
         self.block_size = chat.engine.prefix_cache_block_size
 
     def _chat_request(self, req: CountTokensRequest) -> ChatCompletionRequest:
@@ -121,8 +133,9 @@ class MessagesServing:
     async def create(self, req: MessagesRequest, raw_request: Request):
         chat, chat_req = self.chat, self._chat_request(req)
         model = chat.check_model(req.model)
+        grammar_tools = self._force(req, chat_req)
         tools, mode = chat._tool_mode(chat_req)
-        structured = await chat._structured_outputs(chat_req, tools, mode)
+        structured = await chat._structured_outputs(chat_req, grammar_tools or tools, mode)
         prompt = await asyncio.to_thread(chat._render, chat_req, tools)
         params = chat.make_params(chat_req, req.max_tokens, None, structured)
         if mode is not ToolMode.NONE:
@@ -141,6 +154,24 @@ class MessagesServing:
             stop_sequence=sequence, usage=usage_of(final, self.block_size),
         )  # fmt: skip
 
+    def _force(self, req: MessagesRequest, chat_req: ChatCompletionRequest) -> list[dict] | None:
+        """With ``force_tool_call`` and a request it applies to: name the tool in ``chat_req`` and
+        return the tools the grammar uses (that one with ``input_schema``); else None."""
+        spec = self.force_tool_call
+        turns = [m for m in req.messages if m.role != "system"]
+        last = turns[-1] if turns else None
+        if spec is None or last is None or last.role != "user" or not chat_req.tools:
+            return None
+        if isinstance(last.content, list) and any(
+            b.get("type") == "tool_result" for b in last.content
+        ):
+            return None
+        if spec["name"] not in [t.function.name for t in chat_req.tools]:
+            return None
+        chat_req.tool_choice = {"type": "function", "function": {"name": spec["name"]}}
+        function = {"name": spec["name"], "parameters": spec["input_schema"]}
+        return [{"type": "function", "function": function}]
+
     async def _stream(
         self, message_id: str, model: str, streams, mode: ToolMode, num_prompt: int
     ) -> AsyncIterator[str]:
@@ -151,7 +182,8 @@ class MessagesServing:
         try:
             while True:
                 pending = pending or asyncio.ensure_future(anext(outputs, None))
-                done, _ = await asyncio.wait({pending}, timeout=PING_INTERVAL_S)
+                wait = PING_INTERVAL_S if started else FIRST_OUTPUT_WAIT_S
+                done, _ = await asyncio.wait({pending}, timeout=wait)
                 item = pending.result() if done else None
                 if not started:
                     started = True

@@ -153,7 +153,10 @@ def test_errors_are_the_sdks_typed_exceptions(client, server):
     with pytest.raises(anthropic.NotFoundError) as err:
         client.messages.create(model="claude-opus-4", max_tokens=4, messages=USER)
     assert err.value.body["error"]["type"] == "not_found_error"
-    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
+    image = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
+    }
     with pytest.raises(anthropic.BadRequestError) as err:
         client.messages.create(model=MODEL, max_tokens=4,
                                messages=[{"role": "user", "content": [image]}])  # fmt: skip
