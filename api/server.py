@@ -333,12 +333,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def check_api_key(request: Request, call_next):
         if config.api_key and request.url.path.startswith("/v1"):
             # OpenAI clients send "Authorization: Bearer KEY", Anthropic's "x-api-key: KEY"
-            bearer = request.headers.get("authorization", "").encode()
-            x_api_key = request.headers.get("x-api-key", "").encode()
-            key = config.api_key.encode()
-            if not (
-                hmac.compare_digest(bearer, b"Bearer " + key) or hmac.compare_digest(x_api_key, key)
-            ):
+            x_api_key = request.headers.get("x-api-key")
+            if x_api_key is not None:
+                given, expected = x_api_key, config.api_key
+            else:
+                given, expected = (
+                    request.headers.get("authorization", ""),
+                    f"Bearer {config.api_key}",
+                )
+            if not hmac.compare_digest(given.encode(), expected.encode()):
                 return _error(
                     APIError("Unauthorized: a valid API key is required", 401), request.url.path
                 )

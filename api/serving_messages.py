@@ -105,11 +105,12 @@ class MessagesServing:
     """The Messages endpoints over ``chat`` (which owns the engine and the served names).
     ``drop_attribution``: leave out Claude Code's attribution block (``messages_prompt``).
 
-    ``force_tool_call`` (a testing aid, ``--messages-force-tool-call``): ``{"name", "input_schema"}``.
-    A request that lists a tool of that name and whose last user or assistant message is the
-    user's own turn (no tool_result in it) is answered with a forced call of that tool whose input matches
-    ``input_schema``, as if it had ``tool_choice {"type": "tool"}``; the prompt still shows the
-    tool's own schema. It lets an agent client drive a random-weight model through a tool turn.
+    ``force_tool_call`` (a testing aid, ``--messages-force-tool-call``): ``{"name",
+    "input_schema"}``. A request that lists a tool of that name and whose last user or assistant
+    message is the user's own turn (no tool_result in it) is answered with a forced call of that
+    tool whose input matches ``input_schema``, as if it had ``tool_choice {"type": "tool"}``; the
+    prompt still shows the tool's own schema. It lets an agent client drive a random-weight model
+    through a tool turn.
     """
 
     def __init__(
