@@ -165,6 +165,11 @@ def test_errors_are_the_sdks_typed_exceptions(client, server):
                    headers={"x-api-key": KEY})  # fmt: skip
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in r.json()["error"]["message"]
+    big = httpx.post(f"{server}/v1/messages", content=b"x" * (5 << 20), headers={"x-api-key": KEY})
+    assert big.status_code == 413 and big.json()["error"]["type"] == "request_too_large"
+    lost = httpx.get(f"{server}/v1/messages/nowhere", headers={"x-api-key": KEY})
+    assert lost.status_code == 404 and lost.json()["type"] == "error"
+    assert httpx.post(f"{server}/v1/chat/completions", json={}).json()["error"]["code"] == 401
 
 
 def test_overloaded_is_529():
@@ -184,3 +189,13 @@ def test_overloaded_is_529():
         with ThreadPoolExecutor(12) as pool:
             results = list(pool.map(call, range(12)))
     assert "overloaded" in results and "ok" in results
+
+
+def test_output_config_format_constrains_the_reply(client):
+    r = client.messages.create(
+        model=MODEL, max_tokens=80, messages=USER, extra_body={"seed": 0},
+        output_config={"effort": "low", "format": {"type": "json_schema", "schema": WEATHER}},
+        thinking={"type": "disabled"}, metadata={"user_id": "u1"},
+    )  # fmt: skip
+    assert r.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(r.content[0].text), WEATHER)
