@@ -25,6 +25,9 @@ Mapping (each documented field is honoured, accepted without effect, or refused 
     output_config.format json_schema the reply is constrained to the schema
     output_config.effort, metadata,  accepted without effect
     context_management
+    seed, min_p, repetition_penalty, prefixserve's extensions, as in chat completions
+    ignore_eos, min_tokens,
+    cache_salt
 
 The attribution rule: Claude Code's first system block is
 ``x-anthropic-billing-header: cc_version=<version>.<3 hex>; cc_entrypoint=<name>;`` (optionally
