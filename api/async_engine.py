@@ -153,6 +153,8 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.tokenizer
         self.eos_token_ids = engine.eos_token_ids
+        config = engine.config  # the prefix cache's block size; None when it is off
+        self.prefix_cache_block_size = config.block_size if config.enable_prefix_caching else None
         self.observer = observer
         self.on_death = on_death
         self.dead: BaseException | None = None

@@ -208,17 +208,37 @@ class CompletionResponse(_CompletionResponseFields[CompletionChoice]):
 
 
 class ModelCard(BaseModel):
+    """A served model in OpenAI's shape, with the fields Anthropic's clients read added
+    (``type``, ``display_name``, ``created_at``), so both SDKs list the same models."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "prefixserve"
     root: str | None = None
     max_model_len: int | None = None
+    type: Literal["model"] = "model"
+    display_name: str = ""
+    created_at: str = ""
+
+    def model_post_init(self, _: Any) -> None:
+        self.display_name = self.display_name or self.id
+        when = time.gmtime(self.created)
+        self.created_at = self.created_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", when)
 
 
 class ModelList(BaseModel):
+    """OpenAI's list, with Anthropic's paging fields (one page holds every model)."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None
+
+    def model_post_init(self, _: Any) -> None:
+        if self.data:
+            self.first_id, self.last_id = self.data[0].id, self.data[-1].id
 
 
 def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict:

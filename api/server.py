@@ -1,12 +1,14 @@
 """The FastAPI app (``create_app``) and the uvicorn runner behind ``prefixserve serve``.
 
 Routes: /v1/chat/completions, /v1/completions, /v1/responses (+ GET/DELETE
-/v1/responses/{id}, .../input_items), /v1/models, /health, /version, /tokenize,
+/v1/responses/{id}, .../input_items), /v1/messages (+ /count_tokens), /v1/models, /health,
+/version, /tokenize,
 /detokenize, /metrics, /dashboard, /stats. Every error is an OpenAI-shaped body: 400 for any
 invalid input (schema, JSON, values, context length), 401 for a missing or wrong API key on /v1/*,
 404 for an unknown model, 408 past ``request_timeout``, 413 for a body over
 ``max_request_body_bytes``, 503 (with ``Retry-After``) when the waiting queue is full or the
-server is draining, 500 ``internal_error`` when the engine failed that one request.
+server is draining, 500 ``internal_error`` when the engine failed that one request. On the
+Messages routes the same errors take Anthropic's shape (503 becomes 529 ``overloaded_error``).
 
 Lifecycle: /health answers 503 once the engine loop has died; the runner then stops uvicorn and
 ``serve`` returns 1. On SIGTERM or SIGINT the server drains: every new request gets a 503, requests
@@ -43,6 +45,12 @@ from prefixserve.api.protocol import (
     TokenizeRequest,
     error_body,
 )
+from prefixserve.api.protocol_messages import (
+    CountTokensRequest,
+    MessagesRequest,
+    anthropic_error,
+    is_messages_path,
+)
 from prefixserve.api.protocol_responses import ResponsesRequest
 from prefixserve.api.responses_metrics import ResponsesCollector
 from prefixserve.api.responses_store import (
@@ -54,6 +62,7 @@ from prefixserve.api.responses_store import (
 from prefixserve.api.responses_websocket import serve_websocket
 from prefixserve.api.serving_chat import ChatServing
 from prefixserve.api.serving_completion import CompletionServing
+from prefixserve.api.serving_messages import MessagesServing
 from prefixserve.api.serving_responses import ResponsesServing
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -80,6 +89,9 @@ class ServerConfig:
     ``chat_template_content_format``: how message content reaches the chat template (``auto``,
     ``string``, ``openai``; see ``prefixserve.chat_template``).
     ``responses_store_*``: the bounds of the Responses store (entries, bytes, seconds).
+    ``drop_attribution_header``: leave Claude Code's per-session attribution block out of
+    Messages prompts (``api/messages_prompt.py``). ``messages_force_tool_call``: a testing aid
+    (``MessagesServing``).
     """
 
     served_model_names: list[str]
@@ -95,6 +107,8 @@ class ServerConfig:
     responses_store_max_entries: int = DEFAULT_MAX_ENTRIES
     responses_store_max_bytes: int = DEFAULT_MAX_BYTES
     responses_store_max_age_s: float = DEFAULT_MAX_AGE_S
+    drop_attribution_header: bool = True
+    messages_force_tool_call: dict | None = None
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1:
@@ -124,16 +138,25 @@ class ServerConfig:
             )
 
 
-def _error(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+def _error_body(exc: APIError, path: str) -> tuple[int, dict]:
+    """``(status, body)``: Anthropic's shape on the Messages routes, OpenAI's elsewhere."""
+    if is_messages_path(path):
+        return anthropic_error(exc)
+    return exc.status, exc.body()
 
 
-async def _send_error(send, exc: APIError) -> None:
+def _error(exc: APIError, path: str = "") -> JSONResponse:
+    status, body = _error_body(exc, path)
+    return JSONResponse(body, status_code=status, headers=exc.headers)
+
+
+async def _send_error(send, exc: APIError, path: str) -> None:
     """Answer a raw ASGI request with ``exc`` as a JSON error body."""
-    body = json.dumps(exc.body()).encode()
+    status, content = _error_body(exc, path)
+    body = json.dumps(content).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
-    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -171,11 +194,12 @@ class Gate:
                     503,
                     headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
                 ),
+                scope["path"],
             )
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await _send_error(send, self._too_large())
+            await _send_error(send, self._too_large(), scope["path"])
             return
         chunks, size = [], 0
         while True:
@@ -185,7 +209,7 @@ class Gate:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_body_bytes:
-                await _send_error(send, self._too_large())
+                await _send_error(send, self._too_large(), scope["path"])
                 return
             if not message.get("more_body", False):
                 break
@@ -283,6 +307,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         engine, names, config.tool_call_parser, store, config.chat_template_content_format,
         **options,
     )  # fmt: skip
+    messages = MessagesServing(
+        chat, config.drop_attribution_header, config.messages_force_tool_call
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -297,27 +324,31 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.state.responses = responses
 
     @app.exception_handler(APIError)
-    async def on_api_error(_: Request, exc: APIError):
-        return _error(exc)
+    async def on_api_error(request: Request, exc: APIError):
+        return _error(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def on_validation(_: Request, exc: RequestValidationError):
-        return _error(APIError(_validation_message(exc), 400, _validation_param(exc)))
+    async def on_validation(request: Request, exc: RequestValidationError):
+        return _error(
+            APIError(_validation_message(exc), 400, _validation_param(exc)), request.url.path
+        )
 
-    async def on_engine_error(_: Request, exc: Exception):
-        return _error(APIError(str(exc), 400, getattr(exc, "param", None)))
+    async def on_engine_error(request: Request, exc: Exception):
+        return _error(APIError(str(exc), 400, getattr(exc, "param", None)), request.url.path)
 
-    async def on_engine_dead(_: Request, exc: Exception):
-        return _error(APIError(str(exc), 500))
+    async def on_engine_dead(request: Request, exc: Exception):
+        return _error(APIError(str(exc), 500), request.url.path)
 
     app.add_exception_handler(EngineDeadError, on_engine_dead)
     app.add_exception_handler(InvalidArgumentError, on_engine_error)
     app.add_exception_handler(CacheCapacityError, on_engine_error)
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http(_: Request, exc: StarletteHTTPException):
+    async def on_http(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 400 and exc.__cause__ is not None:
-            return _error(APIError(_body_error_message(exc.__cause__), 400))
+            return _error(APIError(_body_error_message(exc.__cause__), 400), request.url.path)
+        if is_messages_path(request.url.path):
+            return _error(APIError(str(exc.detail), exc.status_code), request.url.path)
         return JSONResponse(
             error_body(
                 str(exc.detail),
@@ -330,10 +361,19 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
         if config.api_key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            expected = f"Bearer {config.api_key}"
+            # OpenAI clients send "Authorization: Bearer KEY", Anthropic's "x-api-key: KEY"
+            x_api_key = request.headers.get("x-api-key")
+            if x_api_key is not None:
+                given, expected = x_api_key, config.api_key
+            else:
+                given, expected = (
+                    request.headers.get("authorization", ""),
+                    f"Bearer {config.api_key}",
+                )
             if not hmac.compare_digest(given.encode(), expected.encode()):
-                return _error(APIError("Unauthorized: a valid API key is required", 401))
+                return _error(
+                    APIError("Unauthorized: a valid API key is required", 401), request.url.path
+                )
         return await call_next(request)
 
     @app.get("/health")
@@ -357,9 +397,22 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             ]
         )
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        completion.check_model(model_id)
+        return ModelCard(id=model_id, root=engine.model_name, max_model_len=engine.max_model_len)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw_request: Request):
         return _respond(await chat.create(req, raw_request))
+
+    @app.post("/v1/messages")
+    async def create_message(req: MessagesRequest, raw_request: Request):
+        return _respond(await messages.create(req, raw_request))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(req: CountTokensRequest):
+        return await messages.count_tokens(req)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw_request: Request):

@@ -9,6 +9,7 @@ the server die cleanly (/health 503, exit code 1).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import time
@@ -43,6 +44,22 @@ def fault_injector(spec: str):
         engine.step = failing_step
 
     return hook
+
+
+def _forced_tool_call(text: str) -> dict:
+    """``--messages-force-tool-call``: a JSON object with a string "name" and an object
+    "input_schema"."""
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not (
+        isinstance(spec, dict)
+        and isinstance(spec.get("name"), str)
+        and isinstance(spec.get("input_schema"), dict)
+    ):
+        raise argparse.ArgumentTypeError('give {"name": TOOL, "input_schema": {...}}')
+    return spec
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -135,6 +152,21 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         help="message content as one string or as OpenAI parts (auto: what the template reads)",
     )
     p.add_argument(
+        "--keep-attribution-header",
+        dest="drop_attribution_header",
+        action="store_false",
+        help="show the model Claude Code's per-session 'x-anthropic-billing-header' system block "
+        "(default: left out of /v1/messages prompts, so sessions share their prefix)",
+    )
+    p.add_argument(
+        "--messages-force-tool-call",
+        type=_forced_tool_call,
+        default=None,
+        metavar="JSON",
+        help='testing aid: {"name": TOOL, "input_schema": {...}}; /v1/messages requests that '
+        "list TOOL and end with the user's own turn get a forced call of it matching the schema",
+    )
+    p.add_argument(
         "--require-cache-salt",
         action="store_true",
         help="refuse requests without a cache_salt (one prefix-cache namespace per tenant)",
@@ -182,6 +214,8 @@ def run_serve(args: argparse.Namespace) -> int:
         responses_store_max_entries=args.responses_store_max_entries,
         responses_store_max_bytes=args.responses_store_max_bytes,
         responses_store_max_age_s=args.responses_store_max_age,
+        drop_attribution_header=args.drop_attribution_header,
+        messages_force_tool_call=args.messages_force_tool_call,
     )
     from prefixserve.scale_out.launcher import run_scale_out, wants_scale_out
 

@@ -27,7 +27,7 @@ from prefixserve.config import EngineConfig
 from prefixserve.engine import LLMEngine
 
 MIN_CASES = 500
-EXAMPLES_PER_POST = 130  # 4 POST operations; the GET ones add a few more
+EXAMPLES_PER_POST = 130  # 6 POST operations; the GET ones add a few more
 EXAMPLES_PER_GET = 5
 
 
@@ -52,9 +52,14 @@ def live() -> Iterator[tuple[str, dict]]:
         thread.join(timeout=20)
 
 
-def check_response(status: int, body: bytes, where: str) -> None:
+def check_response(status: int, body: bytes, where: str, anthropic: bool = False) -> None:
+    """No 5xx; a 4xx is OpenAI's error shape (Anthropic's on the Messages routes)."""
     assert status < 500, f"{where}: {status} {body[:500]!r}"
-    if 400 <= status < 500:
+    if 400 <= status < 500 and anthropic:
+        content = json.loads(body)
+        assert content["type"] == "error" and set(content["error"]) == {"type", "message"}, where
+        assert isinstance(content["error"]["message"], str) and content["error"]["message"]
+    elif 400 <= status < 500:
         err = json.loads(body)["error"]
         assert set(err) == {"message", "type", "param", "code"}, f"{where}: {body[:300]!r}"
         assert err["code"] == status and isinstance(err["message"], str) and err["message"]
@@ -77,7 +82,8 @@ def fuzz_operation(operation, base: str, session: requests.Session, counts: Coun
     def run(case) -> None:
         r = case.call(base_url=base, session=session, timeout=60)
         counts[label] += 1
-        check_response(r.status_code, r.content, f"{label} {case.body!r}"[:800])
+        where = f"{label} {case.body!r}"[:800]
+        check_response(r.status_code, r.content, where, operation.path.startswith("/v1/messages"))
 
     run()
 
@@ -96,6 +102,7 @@ def test_schemathesis_finds_no_5xx_and_only_openai_errors(live):
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+MESSAGES = "/v1/messages"
 USER = [{"role": "user", "content": "hi"}]
 
 
@@ -128,8 +135,14 @@ USER = [{"role": "user", "content": "hi"}]
         (CHAT, [1, 2, 3], 400, "body"),
         (COMPLETIONS, b"not json", 400, "JSON"),
         (COMPLETIONS, {"prompt": "hi", "model": "gpt-9"}, 404, "does not exist"),
+        (MESSAGES, {"model": MODEL, "messages": USER}, 400, "max_tokens"),
+        (MESSAGES, {"model": MODEL, "messages": USER, "max_tokens": 10**6}, 400, "maximum context"),
+        (MESSAGES, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image"}]}],
+                    "max_tokens": 2}, 400, "text only"),
+        (MESSAGES, {"model": "claude-9", "messages": USER, "max_tokens": 2}, 404, "does not exist"),
+        (MESSAGES, b"[" * 100_000 + b"]" * 100_000, 400, "nested too deeply"),
     ],
-)
+)  # fmt: skip
 def test_bad_input_is_a_4xx_that_says_what_to_change(live, path, content, status, hint):
     base, _ = live
     if isinstance(content, bytes):
@@ -138,6 +151,6 @@ def test_bad_input_is_a_4xx_that_says_what_to_change(live, path, content, status
         )
     else:
         r = httpx.post(base + path, json=content, timeout=30)
-    check_response(r.status_code, r.content, path)
+    check_response(r.status_code, r.content, path, path == MESSAGES)
     assert r.status_code == status, r.text
     assert hint.lower() in r.json()["error"]["message"].lower(), r.text

@@ -80,6 +80,7 @@ class RemoteEngine:
         self.model_name = info.model_name
         self.max_model_len = info.max_model_len
         self.eos_token_ids = info.eos_token_ids
+        self.prefix_cache_block_size = info.block_size  # replicas route by their prefix caches
         self.max_waiting = max_waiting
         self.max_attempts = max_attempts
         self.dead: BaseException | None = None

@@ -1,0 +1,150 @@
+"""Anthropic Messages requests -> chat requests (``api/messages_prompt.py``): each block and field
+maps as documented, refused ones are 400s, and the attribution rule drops only its exact shape."""
+
+from __future__ import annotations
+
+import pytest
+from prefixserve.api.messages_prompt import is_attribution_block, to_chat_request
+from prefixserve.api.protocol import APIError
+from prefixserve.api.protocol_messages import CountTokensRequest, MessagesRequest
+
+ATTRIBUTION = "x-anthropic-billing-header: cc_version=2.1.332.0b8; cc_entrypoint=sdk-cli;"
+TOOL = {"name": "Bash", "description": "run", "input_schema": {"type": "object"}}
+
+
+def chat(drop: bool = True, parser: bool = True, **fields):
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    return to_chat_request(MessagesRequest(**{**body, **fields}), drop, parser)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (ATTRIBUTION, True),
+        ("x-anthropic-billing-header: cc_version=2.1.37.fff; cc_entrypoint=cli; cch=00000;", True),
+        (ATTRIBUTION + " ", False),  # exact shape only
+        ("Note: " + ATTRIBUTION, False),
+        (ATTRIBUTION + "\nYou are Claude Code.", False),  # never a block with more text in it
+        ("x-anthropic-billing-header: cc_entrypoint=cli;", False),
+    ],
+)
+def test_attribution_shape(text, expected):
+    assert is_attribution_block({"type": "text", "text": text}) is expected
+
+
+def test_attribution_dropped_only_as_first_system_block():
+    system = [{"type": "text", "text": ATTRIBUTION}, {"type": "text", "text": "You are helpful."}]
+    on = chat(system=system).messages[0]
+    assert on == {"role": "system", "content": [{"type": "text", "text": "You are helpful."}]}
+    off = chat(drop=False, system=system).messages[0]
+    assert [p["text"] for p in off["content"]] == [ATTRIBUTION, "You are helpful."]
+    later = chat(system=[system[1], system[0]]).messages[0]
+    assert [p["text"] for p in later["content"]] == ["You are helpful.", ATTRIBUTION]
+    only = chat(system=[system[0]]).messages  # nothing left: no system message at all
+    assert only == [{"role": "user", "content": "hi"}]
+
+
+def test_blocks_map_to_chat_messages():
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "list files", "cache_control": {}}]},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "use ls", "signature": "s"},
+            {"type": "redacted_thinking", "data": "opaque"},
+            {"type": "text", "text": "Running it."},
+            {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "ls", "n": 1}},
+        ]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "a.txt"},
+            {"type": "tool_result", "tool_use_id": "toolu_2", "is_error": True,
+             "content": [{"type": "text", "text": "boom"}]},
+            {"type": "text", "text": "and now?"},
+        ]},
+        {"role": "system", "content": "# Environment"},
+    ]  # fmt: skip
+    req = chat(system="Be brief.", messages=messages, tools=[TOOL])
+    assert req.messages == [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "list files"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Running it."}],
+         "reasoning_content": "use ls",
+         "tool_calls": [{"id": "toolu_1", "type": "function", "function": {
+             "name": "Bash", "arguments": '{"command": "ls", "n": 1}'}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "a.txt"},
+        {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: boom"},
+        {"role": "user", "content": [{"type": "text", "text": "and now?"}]},
+        {"role": "system", "content": "# Environment"},
+    ]  # fmt: skip
+    assert req.add_generation_prompt and not req.continue_final_message
+
+
+def test_a_final_assistant_message_is_a_prefill():
+    req = chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "{"}])
+    assert req.continue_final_message and not req.add_generation_prompt
+
+
+def test_tools_and_tool_choice():
+    tool = {**TOOL, "cache_control": {"type": "ephemeral"}, "defer_loading": True}
+    req = chat(tools=[tool])
+    assert [t.model_dump(exclude_none=True) for t in req.tools] == [{"type": "function",
+        "function": {"name": "Bash", "description": "run", "parameters": {"type": "object"}}}]  # fmt: skip
+    assert req.tool_choice == "auto"
+    assert chat(tools=[tool], parser=False).tool_choice == "none"  # shown, calls not parsed
+    forced = chat(tools=[tool], tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    assert (forced.tool_choice, forced.parallel_tool_calls) == ("required", False)
+    named = chat(tools=[tool], tool_choice={"type": "tool", "name": "Bash"})
+    assert named.tool_choice == {"type": "function", "function": {"name": "Bash"}}
+    assert chat(tools=[tool], tool_choice={"type": "none"}).tool_choice == "none"
+    assert chat().tool_choice is None
+
+
+def test_sampling_and_config_fields():
+    req = chat(stop_sequences=["END"], temperature=0.2, top_p=0.9, top_k=5, stream=True,
+               metadata={"user_id": "u"}, output_config={"effort": "high"},
+               context_management={"edits": [{"type": "clear_thinking_20251015"}]})  # fmt: skip
+    assert (req.stop, req.temperature, req.top_p, req.top_k, req.stream, req.max_tokens) == (
+        ["END"], 0.2, 0.9, 5, True, 8)  # fmt: skip
+    assert req.response_format is None and req.chat_template_kwargs is None
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    structured = chat(output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert structured.response_format["json_schema"]["schema"] == schema
+    assert chat(thinking={"type": "adaptive"}).chat_template_kwargs == {"enable_thinking": True}
+    assert chat(thinking={"type": "disabled"}).chat_template_kwargs == {"enable_thinking": False}
+    enabled = chat(max_tokens=4096, thinking={"type": "enabled", "budget_tokens": 1024})
+    assert enabled.chat_template_kwargs == {"enable_thinking": True}
+
+
+def test_count_tokens_request_has_no_sampling():
+    req = to_chat_request(
+        CountTokensRequest(model="m", messages=[{"role": "user", "content": "hi"}]), True, True
+    )
+    assert req.max_tokens is None and req.messages == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+         "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
+         "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+          "content": [{"type": "image", "source": {}}]}]}]}, "messages"),
+        ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t",
+          "name": "f", "input": [1]}]}]}, "messages"),
+        ({"system": [{"type": "image", "source": {}}]}, "system"),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools"),
+        ({"tools": [{"name": "f"}]}, "tools"),
+        ({"tools": [TOOL], "tool_choice": {"type": "tool"}}, "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": {"type": "sometimes"}}, "tool_choice"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 100}}, "thinking"),
+        ({"max_tokens": 2000, "thinking": {"type": "enabled", "budget_tokens": 2000}}, "thinking"),
+        ({"thinking": {"type": "always"}}, "thinking"),
+        ({"output_config": {"format": {"type": "regex"}}}, "output_config"),
+        ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, "mcp_servers"),
+        ({"container": "c1"}, "container"),
+    ],
+)  # fmt: skip
+def test_refused_fields_are_400(fields, param):
+    with pytest.raises(APIError) as err:
+        chat(**fields)
+    assert err.value.status == 400 and err.value.param == param

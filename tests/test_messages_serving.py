@@ -1,0 +1,158 @@
+"""``MessagesServing`` without an engine: the event stream's order, pings while waiting, usage in
+``message_start`` and ``message_delta``, the error event, and the forced-tool-call testing aid."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+from prefixserve.api import serving_messages
+from prefixserve.api.messages_prompt import to_chat_request
+from prefixserve.api.messages_stream import BlockEvents
+from prefixserve.api.protocol import APIError
+from prefixserve.api.protocol_messages import MessagesRequest
+from prefixserve.api.serving_chat import ToolMode
+from prefixserve.api.serving_messages import MessagesServing
+
+from prefixserve.outputs import CompletionOutput, RequestOutput
+
+PROMPT = list(range(40))
+
+
+class FakeChat:
+    """What ``MessagesServing`` uses of ``ChatServing`` while streaming."""
+
+    def __init__(self) -> None:
+        self.engine = SimpleNamespace(prefix_cache_block_size=16)
+        self.aborted: list = []
+
+    def _visible_text(self, c: CompletionOutput, mode: ToolMode) -> str:
+        return c.text
+
+    def abort_all(self, streams) -> None:
+        self.aborted.extend(streams)
+
+
+class FakeStream:
+    """Cumulative outputs, each after ``delay`` seconds; an exception item is raised."""
+
+    def __init__(self, items: list, delay: float) -> None:
+        self.items, self.delay = items, delay
+        self.request_id, self.finished = "r", False
+
+    async def __aiter__(self):
+        for item in self.items:
+            await asyncio.sleep(self.delay)
+            if isinstance(item, BaseException):
+                raise item
+            self.finished = item.finished
+            yield item
+
+
+def out(text: str, n: int, finish: str | None = None) -> RequestOutput:
+    c = CompletionOutput(0, text, list(range(n)), finish_reason=finish)
+    return RequestOutput("r", None, PROMPT, [c], finish is not None, num_cached_tokens=16)
+
+
+def run_stream(items: list, delay: float) -> tuple[list[tuple[str, dict]], FakeChat]:
+    chat = FakeChat()
+    serving = MessagesServing(chat)  # type: ignore[arg-type]
+    stream = FakeStream(items, delay)
+
+    async def main() -> list[str]:
+        return [e async for e in serving._stream("msg_1", "m", [stream], BlockEvents(ToolMode.NONE), 40)]
+
+    events = []
+    for raw in asyncio.run(main()):
+        head, data = raw.strip().split("\n")
+        events.append((head.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return events, chat
+
+
+def test_stream_order_and_usage_split_in_message_start():
+    events, chat = run_stream([out("Hel", 1), out("Hello", 2, "stop")], delay=0.0)
+    assert [k for k, _ in events] == [
+        "message_start", "ping", "content_block_start", "content_block_delta",
+        "content_block_delta", "content_block_stop", "message_delta", "message_stop",
+    ]  # fmt: skip
+    usage = events[0][1]["message"]["usage"]
+    assert usage == {"input_tokens": 8, "output_tokens": 0, "cache_creation_input_tokens": 16,
+                     "cache_read_input_tokens": 16}  # fmt: skip
+    assert events[6][1] == {"type": "message_delta",
+        "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+        "usage": {**usage, "output_tokens": 2}}  # fmt: skip
+    assert chat.aborted  # the handler always lets go of its engine requests
+
+
+def test_pings_while_waiting(monkeypatch):
+    monkeypatch.setattr(serving_messages, "FIRST_OUTPUT_WAIT_S", 0.05)
+    monkeypatch.setattr(serving_messages, "PING_INTERVAL_S", 0.05)
+    events, _ = run_stream([out("Hi", 1, "length")], delay=0.3)
+    kinds = [k for k, _ in events]
+    assert kinds[0] == "message_start" and kinds.count("ping") >= 3
+    assert kinds[-2:] == ["message_delta", "message_stop"]
+    # the first output came late: message_start counted the whole prompt, message_delta splits it
+    assert events[0][1]["message"]["usage"]["input_tokens"] == 40
+    assert events[-2][1]["usage"]["cache_read_input_tokens"] == 16
+    assert events[-2][1]["delta"]["stop_reason"] == "max_tokens"
+
+
+def test_a_failure_midway_ends_with_an_error_event():
+    events, chat = run_stream([out("Hi", 1), APIError("queue full", 503)], delay=0.0)
+    assert events[-1] == ("error", {"type": "error", "error": {
+        "type": "overloaded_error", "message": "queue full"}})  # fmt: skip
+    assert "message_stop" not in [k for k, _ in events] and chat.aborted
+
+
+FORCE = {"name": "Bash", "input_schema": {"type": "object", "properties": {
+    "command": {"const": "echo hi"}}}}  # fmt: skip
+TOOLS = [{"name": "Bash", "input_schema": {"type": "object"}},
+         {"name": "Read", "input_schema": {"type": "object"}}]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "messages, tools, forced",
+    [
+        ([{"role": "user", "content": "run it"}], TOOLS, True),
+        ([{"role": "user", "content": "run it"}, {"role": "system", "content": "env"}], TOOLS,
+         True),
+        ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+           "content": "hi"}]}], TOOLS, False),
+        ([{"role": "user", "content": "run it"}], TOOLS[1:], False),
+        ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], TOOLS, False),
+    ],
+)  # fmt: skip
+def test_force_tool_call_applies_to_the_users_own_turn(messages, tools, forced):
+    serving = MessagesServing(FakeChat(), force_tool_call=FORCE)  # type: ignore[arg-type]
+    req = MessagesRequest(model="m", max_tokens=8, messages=messages, tools=tools)
+    chat_req = to_chat_request(req, True, True)
+    grammar_tools = serving._force(req, chat_req)
+    if forced:
+        assert chat_req.tool_choice == {"type": "function", "function": {"name": "Bash"}}
+        assert grammar_tools == [{"type": "function", "function": {
+            "name": "Bash", "parameters": FORCE["input_schema"]}}]  # fmt: skip
+        assert chat_req.tools[0].function.parameters == {"type": "object"}  # the prompt's own
+    else:
+        assert grammar_tools is None and chat_req.tool_choice != FORCE
+
+
+def test_no_forcing_without_the_option():
+    serving = MessagesServing(FakeChat())  # type: ignore[arg-type]
+    req = MessagesRequest(model="m", max_tokens=8, messages=[{"role": "user", "content": "x"}],
+                          tools=TOOLS)  # fmt: skip
+    chat_req = to_chat_request(req, True, True)
+    assert serving._force(req, chat_req) is None and chat_req.tool_choice == "auto"
+
+
+def test_cli_options():
+    from prefixserve.cli import build_parser
+
+    parse = build_parser().parse_args
+    args = parse(["serve", "--messages-force-tool-call", json.dumps(FORCE)])
+    assert args.messages_force_tool_call == FORCE and args.drop_attribution_header is True
+    assert parse(["serve", "--keep-attribution-header"]).drop_attribution_header is False
+    for bad in ("{", '{"name": "Bash"}', '["Bash"]'):
+        with pytest.raises(SystemExit):
+            parse(["serve", "--messages-force-tool-call", bad])
