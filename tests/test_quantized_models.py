@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from checkpoints import load_hf_model, make_checkpoint
+from quant_reference import KernelLinear
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.models.quantization import (
@@ -26,23 +26,6 @@ LOGPROB_ATOL = 1e-4  # measured at most 3e-5 (qwen2 int8)
 CPU = torch.device("cpu")
 _FUSED = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
 _SINGLE = (("self_attn", ("o_proj",)), ("mlp", ("down_proj",)))
-
-
-class KernelLinear(torch.nn.Module):
-    """What a quantized linear computes: ``round(round(x) @ W^T) + b``, with ``round`` to
-    bfloat16 on the packed kernels and the identity on the portable path."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> None:
-        super().__init__()
-        self.weight, self.bias, self.packed = weight, bias, packed
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            x = x.to(torch.bfloat16).float()
-        y = F.linear(x, self.weight)
-        if self.packed:
-            y = y.to(torch.bfloat16).float()
-        return y if self.bias is None else y + self.bias
 
 
 @torch.no_grad()
@@ -89,9 +72,11 @@ def test_quantized_model_differs_from_float_but_not_by_much(tmp_path):
     prompt = [[5, 17, 99, 3, 250, 41, 7]]
     lps = {}
     for method in (None, "int4"):
-        out = LLM(str(folder), quantization=method, num_kv_blocks=16).generate(
-            prompt, params, use_tqdm=False
-        )[0].outputs[0]
+        out = (
+            LLM(str(folder), quantization=method, num_kv_blocks=16)
+            .generate(prompt, params, use_tqdm=False)[0]
+            .outputs[0]
+        )
         lps[method] = out.logprobs[0][out.token_ids[0]]
     assert lps[None] != lps["int4"]
     assert abs(lps[None] - lps["int4"]) < 1.0
