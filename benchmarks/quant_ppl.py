@@ -51,6 +51,7 @@ SCHEMES = {
 
 def perplexity(llm: LLM, text: str) -> tuple[float, int]:
     ids = llm.get_tokenizer()(text, add_special_tokens=False).input_ids
+    ids = ids[: llm.llm_engine.max_model_len - 1]  # a short-context model scores a prefix
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     out = llm.generate([ids], params, use_tqdm=False)[0]
     logprobs = [lp[tok] for tok, lp in zip(ids[1:], out.prompt_logprobs[1:])]
