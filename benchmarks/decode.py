@@ -31,8 +31,9 @@ SCHEMES = {
 def decode_rate(llm: LLM, streams: int, max_tokens: int) -> float:
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    vocab = engine.runner.model_config.vocab_size
     for i in range(streams):
-        prompt = list(range(1000 + 40 * i, 1032 + 40 * i))
+        prompt = [(300 + 40 * i + j) % vocab for j in range(32)]
         engine.add_request(f"decode-{time.monotonic_ns()}-{i}", prompt, params)
     first = engine.stats().generation_tokens
     while engine.stats().num_waiting or engine.stats().generation_tokens - first < streams:
