@@ -24,7 +24,14 @@ _LAYER = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
+_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+          "Qwen3ForCausalLM": "qwen3"}  # fmt: skip
 _TOP = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -44,13 +51,17 @@ def write_gguf(
     path: Path,
     linear_types: dict[str, GGMLQuantizationType] | None = None,
     *,
-    architecture: str = "llama",
+    architecture: str | None = None,
 ) -> Path:
     """``linear_types``: GGUF tensor suffix (``attn_q``, ``ffn_down``, ...) -> its type; every
-    other tensor is F32."""
+    other tensor is F32. ``architecture``: the file's, by default the checkpoint's."""
     cfg = json.loads((Path(folder) / "config.json").read_text())
     tensors = load_file(str(Path(folder) / "model.safetensors"))
+    architecture = architecture or _ARCHS[cfg["architectures"][0]]
     writer = GGUFWriter(str(path), architecture)
+    if cfg.get("head_dim"):
+        writer.add_key_length(cfg["head_dim"])
+        writer.add_value_length(cfg["head_dim"])
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
@@ -67,11 +78,15 @@ def write_gguf(
         else:
             _, _, layer, rest = name.split(".", 3)
             gguf_name = f"blk.{layer}.{_LAYER[rest]}"
-        if gguf_name.endswith("attn_q.weight"):
+        if architecture != "llama":
+            pass  # llama.cpp keeps Qwen's q/k rows in HF's order
+        elif gguf_name.endswith("attn_q.weight"):
             value = _interleave_rope_rows(value, heads)
         elif gguf_name.endswith("attn_k.weight"):
             value = _interleave_rope_rows(value, kv_heads)
-        kind = (linear_types or {}).get(gguf_name.split(".")[-2], GGMLQuantizationType.F32)
+        kind = GGMLQuantizationType.F32
+        if gguf_name.endswith(".weight"):  # biases stay F32
+            kind = (linear_types or {}).get(gguf_name.split(".")[-2], kind)
         if kind == GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name, value.astype(np.float32))
         else:

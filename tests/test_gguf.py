@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from checkpoints import make_checkpoint
+from checkpoints import load_hf_model, make_checkpoint
 from gguf import GGMLQuantizationType as Q
-from gguf.quants import dequantize
+from gguf.quants import dequantize, quantize
 from gguf_files import write_gguf
 from quant_reference import KernelLinear
 
@@ -170,3 +170,28 @@ def test_bad_files_get_typed_errors(files, tmp_path):
     other = write_gguf(folder, tmp_path / "gpt2.gguf", architecture="gpt2")
     with pytest.raises(UnsupportedModelError, match="architecture 'gpt2'"):
         GGUFCheckpoint(other)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_gguf_equals_the_checkpoint_it_was_written_from(tmp_path, arch):
+    """Qwen files keep HF's q/k row order; biases (qwen2) and q/k norms (qwen3) load by name.
+    The reference is transformers on the safetensors checkpoint (its GGUF loader ignores
+    qwen3's head_dim)."""
+    folder = make_checkpoint(arch, tmp_path / arch)
+    path = write_gguf(folder, tmp_path / f"{arch}.gguf", MIXED)
+    llm = LLM(str(path), num_kv_blocks=32, gguf_dequantize=True)
+    assert llm.llm_engine.runner.model_config.architecture.lower().startswith(arch)
+    hf = load_hf_model(folder)
+    with torch.no_grad():  # the reference holds the file's (dequantized) linear weights
+        for layer in hf.model.layers:
+            for block, name in (("self_attn", "q_proj"), ("self_attn", "k_proj"),
+                                ("self_attn", "v_proj"), ("mlp", "gate_proj"),
+                                ("mlp", "up_proj"), ("mlp", "down_proj")):  # fmt: skip
+                w = getattr(getattr(layer, block), name).weight
+                kind = MIXED[{"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v",
+                              "gate_proj": "ffn_gate", "up_proj": "ffn_up",
+                              "down_proj": "ffn_down"}[name]]  # fmt: skip
+                w.copy_(torch.from_numpy(dequantize(quantize(w.numpy(), kind), kind)))
+    _check_greedy(llm, hf, atol=1e-4)
+    kept = LLM(str(path), num_kv_blocks=16).llm_engine.runner.model.model.layers[0]
+    assert isinstance(kept.self_attn.qkv_proj, Int4Linear)

@@ -1,8 +1,10 @@
-"""Llama-family GGUF files (llama.cpp's format): config, weights and tokenizer from one file.
+"""Llama-family GGUF files (llama.cpp's format; architectures llama, qwen2, qwen3): config, weights
+and tokenizer from one file.
 
 The file is read with the ``gguf`` package (memory-mapped); nothing in it is executed. Its tensors
-become Hugging Face named weights, with llama.cpp's reordering of the q/k rows (made for its
-interleaved rope) undone, so ``LlamaForCausalLM.load_weights`` takes them as from safetensors.
+become Hugging Face named weights, with llama.cpp's reordering of a llama file's q/k rows (made
+for its interleaved rope) undone, so ``LlamaForCausalLM.load_weights`` takes them as from
+safetensors.
 
 Quantized tensors of the decoder's linear layers are kept quantized, in the closest scheme of
 ``prefixserve.models.quantization`` (unless ``dequantize``):
@@ -35,7 +37,12 @@ from prefixserve.models.quantization import QuantizedWeight, quantize_int8
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+# GGUF ``general.architecture`` -> the Hugging Face architecture it is loaded as
+SUPPORTED_GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -46,6 +53,8 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _TOP_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -109,7 +118,7 @@ class GGUFCheckpoint:
         tokens = self.reader.fields.get("tokenizer.ggml.tokens")
         vocab = self._field(f"{a}.vocab_size", len(tokens.data) if tokens else None)
         hf = {
-            "architectures": ["LlamaForCausalLM"],
+            "architectures": [SUPPORTED_GGUF_ARCHITECTURES[a]],
             "vocab_size": vocab,
             "hidden_size": hidden,
             "intermediate_size": self._field(f"{a}.feed_forward_length"),
@@ -158,9 +167,10 @@ class GGUFCheckpoint:
         raise ModelLoadError(f"{self.path}: unexpected tensor {gguf_name!r} for {self.arch}")
 
     def _row_permutation(self, gguf_name: str, rows: int) -> torch.Tensor | None:
-        """llama.cpp stores q/k rows of each head as interleaved pairs (row ``2i + j`` is HF's
-        row ``j * head_dim / 2 + i``); the index that restores HF's order, or None."""
-        if not gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+        """llama.cpp stores a llama file's q/k rows of each head as interleaved pairs (row
+        ``2i + j`` is HF's row ``j * head_dim / 2 + i``); the index that restores HF's order, or
+        None (other tensors; Qwen files, which keep HF's order)."""
+        if self.arch != "llama" or not gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             return None
         heads = self.config.num_attention_heads
         if gguf_name.endswith("attn_k.weight"):
