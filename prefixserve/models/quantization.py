@@ -17,9 +17,12 @@ Which kernel runs:
   so each quantized linear's input and output are rounded to bfloat16, as llama.cpp rounds
   activations to 8 bits for its quantized dot products. ``kernel_weight`` is the exact weight
   they multiply by (scales and zeros rounded to bfloat16).
-- Elsewhere (CUDA, or an int4 layer the packed kernel cannot take): the portable path, which
-  dequantizes in torch ops at each call in the model dtype (int8: ``(x @ q^T) * scale``; int4:
-  rebuild the weight from its codes, then ``F.linear``). Memory holds only the quantized form.
+- CUDA, int4: the Triton kernel ``kernels/int4_matmul.py``, which dequantizes tile by tile in
+  registers (tested through Triton's interpreter; not yet run on a GPU).
+- Elsewhere (CUDA int8, a CPU int4 layer the packed kernel cannot take, ``portable=True``): the
+  portable path, which dequantizes in torch ops at each call in the model dtype (int8:
+  ``(x @ q^T) * scale``; int4: rebuild the weight from its codes, then ``F.linear``).
+Memory holds only the quantized form.
 
 Only the linear layers inside decoder layers are quantized; embeddings, ``lm_head`` and norms stay
 in the model dtype. A layer whose ``in_features`` is not a multiple of the int4 group size stays
@@ -231,6 +234,10 @@ class Int4Linear(nn.Module):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x16, self.codes, self.group_size, self.scales_and_zeros
             ).to(x.dtype)
+        elif x.is_cuda:
+            from prefixserve.kernels.int4_matmul import int4_matmul
+
+            y = int4_matmul(x2, self.codes, self.scales, self.zeros, self.group_size)
         else:
             y = F.linear(x2, self._portable_weight(x.dtype))
         if self.bias is not None:
