@@ -195,3 +195,21 @@ def test_qwen_gguf_equals_the_checkpoint_it_was_written_from(tmp_path, arch):
     _check_greedy(llm, hf, atol=1e-4)
     kept = LLM(str(path), num_kv_blocks=16).llm_engine.runner.model.model.layers[0]
     assert isinstance(kept.self_attn.qkv_proj, Int4Linear)
+
+
+def test_serve_a_gguf_file_over_http(tmp_path):
+    """``prefixserve serve model.gguf --quantization int8``: chat answers with the file's chat
+    template, and the model is listed under the file's path."""
+    import httpx
+    from servers import server_process
+
+    folder = make_checkpoint("mistral", tmp_path / "ckpt", max_position_embeddings=1024)
+    path = write_gguf(folder, tmp_path / "served.gguf", MIXED)
+    with server_process(str(path), "--quantization", "int8") as (_, base):
+        models = httpx.get(f"{base}/v1/models").json()["data"]
+        assert [m["id"] for m in models] == [str(path)]
+        body = {"model": str(path), "max_tokens": 4, "temperature": 0,
+                "messages": [{"role": "user", "content": "hello"}]}  # fmt: skip
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
