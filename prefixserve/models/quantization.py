@@ -1,6 +1,7 @@
 """Weight-only quantization of the decoder's linear layers: ``int8`` and ``int4``.
 
-Schemes (activations stay in the model dtype; only weights are stored quantized):
+Schemes (only weights are stored quantized; activations stay in the model dtype, except that
+the CPU kernels round them to bfloat16, see below):
 
 - ``int8``: per output channel, symmetric. ``w[n, k] = q[n, k] * scale[n]``, ``q`` in [-127, 127].
 - ``int4``: group-wise along the input dim (``INT4_GROUP_SIZE`` columns a group), asymmetric.
