@@ -64,25 +64,39 @@ def _forced_tool_call(text: str) -> dict:
 
 def run_demo(args: argparse.Namespace) -> int:
     from prefixserve import LLM, SamplingParams
+    from prefixserve.models import BUILTIN_MODEL_NAME
 
     kwargs = engine_kwargs(args)
     llm = LLM(kwargs.pop("model"), **kwargs)
-    system = "You are a careful assistant. Answer briefly and cite the documents you use. " * 12
+    system = "You are a careful assistant. Answer in one sentence. " + "Be precise and brief. " * 12
     questions = [
-        f"Question {i}: what does document {i % 3} say about prefix caching?" for i in range(8)
+        "What is the capital of France?",
+        "Why is the sky blue?",
+        "What is a prime number?",
+        "Name a planet of the solar system.",
+        "What does a compiler do?",
+        "What is 12 times 12?",
+        "What is photosynthesis?",
+        "Who wrote Hamlet?",
     ]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    print(f"model: {llm.llm_engine.model_name} (random weights: the text is meaningless)")
+    name = llm.llm_engine.model_name
+    random = name == BUILTIN_MODEL_NAME
+    print(f"model: {name}" + (" (random weights: the text is meaningless)" if random else ""))
     for turn, batch in enumerate((questions[:1], questions[1:])):
+        chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+                 for q in batch]  # fmt: skip
         start = time.perf_counter()
-        outs = llm.generate([system + q for q in batch], params, use_tqdm=False)
+        outs = llm.chat(chats, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         cached = sum(o.num_cached_tokens for o in outs)
         prompt = sum(len(o.prompt_token_ids) for o in outs)
         print(
             f"batch {turn}: {len(outs)} requests, {cached}/{prompt} prompt tokens from the prefix "
-            f"cache, {elapsed:.2f}s; first output: {outs[0].outputs[0].text[:40]!r}"
+            f"cache, {elapsed:.2f}s"
         )
+        for q, o in list(zip(batch, outs))[:3]:
+            print(f"  Q: {q}\n  A: {o.outputs[0].text.strip()!r}")
     stats = llm.cache_stats()
     print(f"prefix-cache hit rate: {stats['hit_rate']:.1%}; blocks: {stats}")
     return 0
@@ -232,9 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``prefixserve`` argument parser (``demo`` and ``serve`` subcommands)."""
     parser = argparse.ArgumentParser(prog="prefixserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="offline demo of prefix sharing on the built-in model")
+    demo = sub.add_parser("demo", help="offline demo of prefix sharing (default: built-in model)")
     add_engine_args(demo)
-    demo.add_argument("--max-tokens", type=int, default=16)
+    demo.add_argument("--max-tokens", type=int, default=24)
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     serve.add_argument(
         "model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model"

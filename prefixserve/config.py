@@ -9,6 +9,7 @@ from prefixserve.errors import InvalidArgumentError, require
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _BACKENDS = ("auto", "torch", "triton")
 _POLICIES = ("fcfs", "prefix")
+_QUANTIZATIONS = (None, "int8", "int4")
 DEFAULT_CPU_KV_CACHE_GB = 1.0
 
 
@@ -25,6 +26,9 @@ class EngineConfig:
     (vLLM's KV-event format, ZMQ PUB), with a replay socket at ``kv_events_replay_endpoint``.
     ``enforce_eager``: run every step eagerly; otherwise, on CUDA with the Triton backend, decode
     steps replay CUDA graphs captured at start-up (``prefixserve.cuda_graphs``).
+    ``quantization`` (int8 / int4): weight-only quantization of the decoder's linear layers
+    (``prefixserve.models.quantization``). ``gguf_dequantize``: load a GGUF file's quantized
+    tensors as float instead of keeping them quantized (``prefixserve.models.gguf_loader``).
     """
 
     model: str | None = None
@@ -48,6 +52,8 @@ class EngineConfig:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     enforce_eager: bool = False
+    quantization: str | None = None
+    gguf_dequantize: bool = False
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -92,6 +98,11 @@ class EngineConfig:
             isinstance(self.enforce_eager, bool),
             "enforce_eager",
             f"must be True or False, got {self.enforce_eager!r}",
+        )
+        require(
+            self.quantization in _QUANTIZATIONS,
+            "quantization",
+            f"must be one of {_QUANTIZATIONS}, got {self.quantization!r}",
         )
         require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         require(

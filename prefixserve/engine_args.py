@@ -12,7 +12,9 @@ import argparse
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The options that become ``EngineConfig`` fields (``engine_kwargs``), and ``--log-level``."""
     p.add_argument(
-        "--model", default=None, help="HF folder or hub id (default: built-in tiny-random)"
+        "--model",
+        default=None,
+        help="HF folder, hub id, .gguf file or smollm2 (default: built-in tiny-random)",
     )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
@@ -35,6 +37,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--enforce-eager",
         action="store_true",
         help="no CUDA graphs: run decode steps eagerly too",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=["int8", "int4"],
+        default=None,
+        help="weight-only quantization of the linear layers (int8 per channel, int4 group 32)",
+    )
+    p.add_argument(
+        "--gguf-dequantize",
+        action="store_true",
+        help="GGUF: load quantized tensors as float instead of keeping them int4/int8",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -63,6 +76,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         dtype=args.dtype,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        quantization=args.quantization,
+        gguf_dequantize=args.gguf_dequantize,
         seed=args.seed,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,

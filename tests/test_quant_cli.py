@@ -1,0 +1,63 @@
+"""The quantization / GGUF options on the command line and in ``EngineConfig``, and a smoke run of
+``benchmarks/quant_ppl.py`` and ``benchmarks/decode.py`` on a tiny GGUF file."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from checkpoints import make_checkpoint
+from gguf import GGMLQuantizationType as Q
+from gguf_files import write_gguf
+
+from prefixserve.cli import build_parser, engine_kwargs
+from prefixserve.config import EngineConfig
+from prefixserve.errors import InvalidArgumentError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import decode
+import quant_ppl
+
+
+def test_serve_takes_a_gguf_file_and_the_quantization_flags():
+    args = build_parser().parse_args(["serve", "m.gguf", "--quantization", "int4", "--gguf-dequantize"])  # fmt: skip
+    kwargs = engine_kwargs(args)
+    assert (kwargs["model"], kwargs["quantization"], kwargs["gguf_dequantize"]) == ("m.gguf", "int4", True)  # fmt: skip
+    kwargs = engine_kwargs(build_parser().parse_args(["serve", "smollm2"]))
+    assert (kwargs["model"], kwargs["quantization"], kwargs["gguf_dequantize"]) == ("smollm2", None, False)  # fmt: skip
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--quantization", "int3"])
+
+
+def test_engine_config_refuses_an_unknown_scheme():
+    with pytest.raises(InvalidArgumentError, match="quantization"):
+        EngineConfig(quantization="fp8")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench-gguf")
+    folder = make_checkpoint("mistral", root / "ckpt")
+    types = {"attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q4_1, "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_1}  # fmt: skip
+    return write_gguf(folder, root / "tiny.gguf", types)
+
+
+def test_quant_ppl_runs_every_scheme(tiny_gguf, tmp_path):
+    result = quant_ppl.main(["--model", str(tiny_gguf), "--threads", "1", "--out-dir", str(tmp_path)])  # fmt: skip
+    assert set(result["perplexity"]) == {"float32", "int8", "int4", "gguf"}
+    assert result["change_vs_float32"]["float32"] == 0
+    assert json.loads((tmp_path / "quant_ppl.json").read_text())["tokens"] == result["tokens"] > 100
+    assert all(abs(c) < 0.05 for c in result["change_vs_float32"].values())
+
+
+def test_decode_benchmark_runs(tiny_gguf, tmp_path):
+    result = decode.main(
+        ["--model", str(tiny_gguf), "--schemes", "float32", "int4", "--streams", "1", "2",
+         "--max-tokens", "3", "--runs", "1", "--threads", "1", "--out-dir", str(tmp_path)]
+    )  # fmt: skip
+    assert set(result["median"]) == {"float32", "int4"}
+    assert all(rate > 0 for d in result["median"].values() for rate in d.values())
+    assert (tmp_path / "decode.json").is_file()
