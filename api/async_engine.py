@@ -8,7 +8,6 @@ Threads and ownership::
     abort() --> _pending aborts ------------>   engine.abort_request (between steps)
     RequestStream.queue  <-- call_soon_threadsafe --  engine.step() outputs, one batch per step
     snapshot() <------------- the engine's latest ``EngineStats``, published every step
-    compile_grammar() ------> the engine's thread-safe grammar compiler (its own thread pool)
 
 Invariants: only the engine thread touches the engine; handlers never block on it (they await
 their stream's queue); every stream receives exactly one terminal item (a finished output, an
@@ -41,7 +40,6 @@ from prefixserve.errors import StepFailedError
 from prefixserve.outputs import RequestOutput
 from prefixserve.preprocessor import PreparedRequest
 from prefixserve.sampling_params import BeamSearchParams, SamplingParams
-from prefixserve.structured_outputs.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -246,13 +244,6 @@ class AsyncEngine:
         with self._cond:
             self._fail_all = error
             self._cond.notify()
-
-    async def compile_grammar(self, params: StructuredOutputsParams) -> None:
-        """Compile a request's grammar off the event loop; raises ``InvalidArgumentError`` if it
-        cannot be compiled. The result stays cached, so the engine's own submit is a hit. (The
-        engine's ``StructuredOutputManager`` is thread-safe: the one part of the engine that
-        handlers may call.)"""
-        await asyncio.wrap_future(self.engine.structured_outputs.submit(params))
 
     def snapshot(self) -> EngineStats:
         with self._cond:

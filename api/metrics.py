@@ -110,8 +110,8 @@ class _EngineCollector(Collector):
         for name, doc, key in (
             ("prefixserve_grammar_compiles", "Grammars compiled.", "num_compiles"),
             ("prefixserve_grammar_cache_hits",
-             "Grammar lookups served by the compile cache (the server's validation and the "
-             "engine each look up once per request).", "num_cache_hits"),
+             "Requests whose grammar was already compiled (one lookup per request, when it "
+             "is prepared).", "num_cache_hits"),
         ):  # fmt: skip
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([label], so[key])

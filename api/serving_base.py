@@ -156,14 +156,6 @@ class BaseServing:
             })  # fmt: skip
         return out
 
-    async def check_grammar(self, params: StructuredOutputsParams, source: str) -> None:
-        """A 400 naming ``source`` (the request field) when the grammar cannot be compiled."""
-        try:
-            await self.engine.compile_grammar(params)
-        except InvalidArgumentError as exc:
-            param = source if exc.param == "structured_outputs" else exc.param
-            raise APIError(str(exc), 400, param) from exc
-
     def make_params(
         self,
         req,

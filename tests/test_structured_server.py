@@ -213,3 +213,20 @@ def test_metrics_count_kinds_and_compiles(server, client):
     assert metric(samples, "prefixserve_grammar_compile_seconds_count") >= 3
     assert metric(samples, "prefixserve_grammar_compiles_total") >= 3
     assert metric(samples, "prefixserve_grammar_cache_hits_total") >= 1
+
+
+def test_each_request_looks_its_grammar_up_once(server, client):
+    """The grammar is compiled (or found compiled) once per request, when it is prepared:
+    two requests with a new schema are one compile and one cache hit."""
+    schema = {"type": "object", "properties": {"once": {"type": "integer"}}, "required": ["once"]}
+    before = scrape(server)
+    for _ in range(2):
+        client.chat.completions.create(model=MODEL, messages=USER, max_tokens=20,
+                                       response_format=_json_schema(schema))  # fmt: skip
+    after = scrape(server)
+
+    def grew(name: str) -> float:
+        return metric(after, name) - metric(before, name)
+
+    assert grew("prefixserve_grammar_compiles_total") == 1
+    assert grew("prefixserve_grammar_cache_hits_total") == 1

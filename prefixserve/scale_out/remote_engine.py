@@ -31,7 +31,6 @@ from prefixserve.outputs import RequestOutput
 from prefixserve.preprocessor import PreparedRequest, RequestPreprocessor, StepLimits
 from prefixserve.sampling_params import BeamSearchParams, SamplingParams
 from prefixserve.scale_out.protocol import ACCEPTED, EngineRequest
-from prefixserve.structured_outputs.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -163,11 +162,6 @@ class RemoteEngine:
         for pump, stream in list(self._live.values()):
             pump.cancel()
             self._fail(stream, error)
-
-    async def compile_grammar(self, params: StructuredOutputsParams) -> None:
-        """Check a grammar at the door (a 400 before any replica sees the request)."""
-        grammars = self._get_preprocessor().structured_outputs
-        await asyncio.wrap_future(grammars.submit(params))
 
     # ---- one request ---------------------------------------------------------------------------
 
