@@ -64,7 +64,7 @@ _TOP_TENSORS = {
 
 
 def is_gguf(model: str | None) -> bool:
-    return model is not None and model.lower().endswith(".gguf")
+    return model is not None and str(model).lower().endswith(".gguf")
 
 
 class GGUFCheckpoint:
