@@ -9,6 +9,7 @@ the server die cleanly (/health 503, exit code 1).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import time
@@ -76,6 +77,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="publish prefix-cache changes (vLLM's KV events, ZMQ PUB) here, e.g. tcp://*:5557",
     )
     p.add_argument("--kv-events-replay-endpoint", default=None, help="ZMQ replay socket")
+    p.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        default=None,
+        help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4}\' (default: off)',
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -98,6 +106,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         seed=args.seed,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        speculative_config=args.speculative_config,
     )
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from prefixserve.errors import require
+from prefixserve.spec_decode.config import SpeculativeConfig
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _BACKENDS = ("auto", "torch", "triton")
@@ -25,6 +27,8 @@ class EngineConfig:
     (vLLM's KV-event format, ZMQ PUB), with a replay socket at ``kv_events_replay_endpoint``.
     ``enforce_eager``: run every step eagerly; otherwise, on CUDA with the Triton backend, decode
     steps replay CUDA graphs captured at start-up (``prefixserve.cuda_graphs``).
+    ``speculative_config`` (vLLM's dict, or a ``SpeculativeConfig``; default None: off): draft
+    tokens from the request's own text, verified in the same step (``prefixserve.spec_decode``).
     """
 
     model: str | None = None
@@ -48,8 +52,17 @@ class EngineConfig:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     enforce_eager: bool = False
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        require(
+            self.speculative_config is None
+            or isinstance(self.speculative_config, SpeculativeConfig),
+            "speculative_config",
+            f"must be a dict or None, got {type(self.speculative_config).__name__}",
+        )
         bs = self.block_size
         require(
             isinstance(bs, int) and bs >= 1 and bs & (bs - 1) == 0,
