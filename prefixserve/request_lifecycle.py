@@ -143,7 +143,7 @@ class RequestLifecycle:
         accepted = [t.token_id for t in tokens[:-1]]
         assert accepted == sched.draft_token_ids[:num_accepted], "accepted drafts come first"
         if self.proposer is not None:
-            self.proposer.observe(len(sched.draft_token_ids), num_accepted)
+            self.proposer.observe(seq, len(sched.draft_token_ids), num_accepted)
         kept = 0
         for token in tokens:
             self._append_output(request, seq, token.token_id, token.logprob, token.top_logprobs)

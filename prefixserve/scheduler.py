@@ -373,6 +373,8 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         del self.requests[request.request_id]
+        if self.proposer is not None:
+            self.proposer.remember(request)  # suffix drafts for the tenant's later requests
 
     # ---- figures -------------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from prefixserve.sequence import Request, Sequence
 from prefixserve.spec_decode.config import SpeculativeConfig
 from prefixserve.spec_decode.metrics import SpecDecodeStats
 from prefixserve.spec_decode.ngram import propose_ngram
+from prefixserve.spec_decode.output_index import OutputIndex
 from prefixserve.spec_decode.proposer import DraftProposer, _grammar_prefix
 
 
@@ -110,6 +111,56 @@ def test_grammar_cuts_drafts_and_rolls_back():
     assert _grammar_prefix(g, [2, 5, 6]) == [2]  # a terminating draft is not scored
     assert _grammar_prefix(g, [12]) == []
     assert g.accepted == [1]  # state unchanged
+
+
+def test_adaptive_k_follows_recent_acceptance():
+    proposer = DraftProposer(SpeculativeConfig("ngram", 5, 1, 2))
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 1]
+    request, seq = _request(tokens)
+    seq.num_computed_tokens = len(tokens) - 1
+    assert len(proposer.propose(request, seq, 1, 10)) == 5
+    proposer.observe(seq, 5, 0)  # all missed: one draft next time
+    assert proposer.propose(request, seq, 1, 10) == [2]
+    proposer.observe(seq, 1, 1)  # all accepted: one more
+    assert proposer.propose(request, seq, 1, 10) == [2, 3]
+    proposer.observe(seq, 2, 2)
+    proposer.observe(seq, 3, 3)
+    proposer.observe(seq, 4, 4)
+    proposer.observe(seq, 5, 5)  # capped at num_speculative_tokens
+    assert len(proposer.propose(request, seq, 1, 10)) == 5
+    proposer.observe(seq, 5, 2)
+    assert len(proposer.propose(request, seq, 1, 10)) == 3
+    other_request, other = _request(tokens)
+    other.num_computed_tokens = len(tokens) - 1
+    assert len(proposer.propose(other_request, other, 1, 10)) == 5  # per sequence
+
+
+def test_output_index_longest_match_and_eviction():
+    index = OutputIndex(max_outputs=2, min_n=1, max_n=3)
+    index.add([1, 2, 3, 4, 5])
+    index.add([9, 2, 3, 7, 8])
+    assert index.lookup([0, 2, 3], 2) == (2, [7, 8])  # the newest "2 3"
+    assert index.lookup([1, 2, 3], 2) == (3, [4, 5])  # "1 2 3" is longer
+    assert index.lookup([6], 2) == (0, [])
+    index.add([5, 6, 7])  # forgets the first output and its n-grams
+    assert len(index) == 2
+    assert index.lookup([1, 2, 3], 2) == (2, [7, 8])  # "2 3" still points at the second
+    assert index.lookup([4], 2) == (0, [])
+    index.add([4])  # too short to hold an n-gram with a continuation
+    assert len(index) == 2
+
+
+def test_suffix_index_is_per_tenant():
+    proposer = DraftProposer(SpeculativeConfig("suffix", 3, 1, 2))
+    done, seq = _request([1, 2])
+    seq.token_ids += [10, 11, 12, 13]
+    done.extra_keys = ("salt-a",)
+    proposer.remember(done)
+    for salt, expected in ((("salt-a",), [12, 13]), (("salt-b",), []), ((), [])):
+        request, seq = _request([7, 10, 11])
+        request.extra_keys = salt
+        seq.num_computed_tokens = 2
+        assert proposer.propose(request, seq, 1, 10) == expected
 
 
 def test_stats_count_verifications_with_drafts():

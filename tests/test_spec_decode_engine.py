@@ -48,9 +48,9 @@ def tokens(outs):
     return [[c.token_ids for c in o.outputs] for o in outs]
 
 
-def assert_same(model, prompts, params, **engine):
+def assert_same(model, prompts, params, spec=SPEC, **engine):
     plain, _ = run(model, prompts, params, **engine)
-    spec, engine_ = run(model, prompts, params, spec=SPEC, **engine)
+    spec, engine_ = run(model, prompts, params, spec=spec, **engine)
     assert tokens(spec) == tokens(plain)
     return plain, spec, engine_.stats().spec_decode
 
@@ -81,11 +81,14 @@ def test_speculation_takes_fewer_steps(counting):
     ],
     ids=["cached", "uncached", "chunked", "preempting"],
 )
-def test_greedy_is_exact_in_every_engine_mode(counting, random_llama, engine):
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_greedy_is_exact_in_every_engine_mode(counting, random_llama, engine, method):
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     prompts = [COUNTING, COUNTING[5:], list(range(100, 130)) + [99], [3, 4, 5, 3, 4, 5, 3, 4]]
+    spec = dict(SPEC, method=method)
     for model in (counting, random_llama):
-        assert_same(model, prompts, params, **engine)
+        # twice: the suffix method's second round also drafts from the first round's outputs
+        assert_same(model, prompts + prompts, params, spec=spec, **engine)
 
 
 def test_preemption_happened_in_the_tight_cache(counting):
@@ -137,9 +140,7 @@ def test_grammar_drafts_are_checked_and_exact(random_llama, jump_forward):
     so = StructuredOutputsParams(regex=r"(ab|cd|ef){40}")  # no early end within max_tokens
     params = SamplingParams(max_tokens=24, temperature=0.0, structured_outputs=so)
     prompts = ["abcdefabcdefabcdef abcdefabcdef", "cdcdcdabab efef cdcd"]
-    _, spec, stats = assert_same(
-        random_llama, prompts, params, enable_jump_forward=jump_forward
-    )
+    _, spec, stats = assert_same(random_llama, prompts, params, enable_jump_forward=jump_forward)
     assert stats["num_draft_tokens"] > 0
     for o in spec:
         assert o.outputs[0].text and set(o.outputs[0].text) <= set("abcdef")
@@ -222,3 +223,24 @@ def test_sampling_keeps_the_plain_distribution(counting):
         b = Counter(category(o) for o in specd)
         stat, dof = chi_squared(a, b)
         assert dof == 2 and stat < 13.8, (pos, a, b, stat)
+
+
+def test_suffix_drafts_from_the_tenants_earlier_outputs_only(counting):
+    """The counting model's output here never repeats itself, so a request's own text has no
+    draft for it; the same prompt again in the same tenant drafts from the earlier output, while
+    another tenant (another cache_salt) gets no draft from it. All outputs stay exact."""
+    spec = dict(SPEC, method="suffix", prompt_lookup_min=2)
+    llm = LLM(counting, num_kv_blocks=128, block_size=4, speculative_config=spec)
+    prompt = [300, 301]
+
+    def generate(salt):
+        params = SamplingParams(max_tokens=20, temperature=0.0, cache_salt=salt)
+        before = llm.llm_engine.stats().spec_decode["num_accepted_tokens"]
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        return out, llm.llm_engine.stats().spec_decode["num_accepted_tokens"] - before
+
+    first, accepted = generate("tenant-a")
+    assert len(set(first)) == len(first) and accepted == 0
+    assert generate("tenant-b") == (first, 0)
+    again, accepted = generate("tenant-a")
+    assert again == first and accepted > 10

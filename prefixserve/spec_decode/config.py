@@ -5,9 +5,14 @@ same dict::
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 
-``method``: ``"ngram"`` (prompt lookup over the request's own prompt and output). Each decoding
-sequence proposes up to ``num_speculative_tokens`` drafts per step; the target model scores them
-all in that step's one forward and keeps the longest prefix plain decoding would have produced.
+``method``: ``"ngram"`` (prompt lookup over the request's own prompt and output) or ``"suffix"``
+(the same over the request's own text, plus an index of the last
+``suffix_decoding_max_cached_requests`` outputs of the same tenant: requests with the same
+``cache_salt``, or all unsalted requests; the longer match wins). Both match the sequence's last
+``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens. Each decoding sequence proposes up to
+``num_speculative_tokens`` drafts per step, adapted to its own recent acceptance; the target model
+scores them all in that step's one forward and keeps the longest prefix plain decoding would
+have produced.
 ``disable_by_batch_size``: no sequence speculates in a step that starts with at least this many
 running sequences (a large batch is compute-bound: verifying drafts there costs throughput).
 Speculation is off unless a config is given.
@@ -20,7 +25,7 @@ from typing import Any
 
 from prefixserve.errors import InvalidArgumentError, require
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "suffix")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +35,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     disable_by_batch_size: int = 32
+    suffix_decoding_max_cached_requests: int = 1000
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -46,7 +52,7 @@ class SpeculativeConfig:
             f"must be one of {METHODS}, got {self.method!r}",
         )
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                     "disable_by_batch_size"):  # fmt: skip
+                     "disable_by_batch_size", "suffix_decoding_max_cached_requests"):  # fmt: skip
             positive_int(name)
         require(
             self.prompt_lookup_min <= self.prompt_lookup_max,

@@ -16,9 +16,14 @@ import numpy as np
 
 def propose_ngram(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Up to ``k`` draft tokens (fewer when the match ends early, none without a match)."""
+    return match_ngram(token_ids, k, min_n, max_n)[1]
+
+
+def match_ngram(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> tuple[int, list[int]]:
+    """(length of the matched n-gram, up to ``k`` tokens that followed it), or (0, [])."""
     num_tokens = len(token_ids)
     if k <= 0 or num_tokens <= min_n:
-        return []
+        return 0, []
     tokens = np.asarray(token_ids, dtype=np.int64)
     for n in range(min(max_n, num_tokens - 1), min_n - 1, -1):
         # windows[i] = tokens[i : i + n] for every start whose continuation is known (i + n < N)
@@ -26,5 +31,5 @@ def propose_ngram(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> l
         hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return tokens[start : start + k].tolist()
-    return []
+            return n, tokens[start : start + k].tolist()
+    return 0, []
