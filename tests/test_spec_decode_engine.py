@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from prefixserve import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.errors import InvalidArgumentError, StepFailedError
 from prefixserve.kv.hashing import extend_block_hashes
 from tests.checkpoints import make_checkpoint
 from tests.copy_checkpoint import make_counting_checkpoint
@@ -244,3 +244,39 @@ def test_suffix_drafts_from_the_tenants_earlier_outputs_only(counting):
     assert generate("tenant-b") == (first, 0)
     again, accepted = generate("tenant-a")
     assert again == first and accepted > 10
+
+
+def test_prompt_logprobs_with_speculation(counting):
+    """The prompt's last chunk speculates; its prompt logprobs are those of plain decoding."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, prompt_logprobs=2)
+    plain, spec, stats = assert_same(counting, [COUNTING], params)
+    assert stats["num_draft_tokens"] > 0
+    for p, s in zip(plain[0].prompt_logprobs[1:], spec[0].prompt_logprobs[1:]):
+        assert p.keys() == s.keys()
+        for t in p:
+            assert p[t] == pytest.approx(s[t], abs=1e-4)
+
+
+def test_failed_speculative_step_leaves_no_draft_block(counting):
+    """A step with drafts fails: none of its blocks stays registered, and the retry is exact."""
+    params = SamplingParams(max_tokens=30, temperature=0.0)
+    llm = LLM(counting, num_kv_blocks=128, block_size=4, speculative_config=SPEC)
+    engine = llm.llm_engine
+    real, failed = engine.runner.execute, []
+
+    def execute(out):
+        if not failed and sum(len(s.draft_token_ids) for s in out.scheduled) >= 3:
+            failed.append(out.scheduled[0].seq.num_computed_tokens)  # written before it
+            raise RuntimeError("device fault")
+        return real(out)
+
+    engine.runner.execute = execute
+    with pytest.raises(StepFailedError):
+        llm.generate([COUNTING], params, use_tqdm=False)
+    assert failed and engine.cache_stats()["used_blocks"] == 0
+    registered = {b.block_hash for b in engine.scheduler.kv.pool._hash_to_block.values()}
+    assert failed[0] > len(COUNTING)  # it failed while decoding
+    assert len(registered) == failed[0] // 4  # nothing past what earlier steps wrote and kept
+    fresh, _ = run(counting, [COUNTING], params)
+    again = llm.generate([COUNTING], params, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == fresh[0].outputs[0].token_ids
