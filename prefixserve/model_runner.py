@@ -122,9 +122,7 @@ class ModelRunner:
                 torch.tensor(dst, dtype=torch.int64, device=self.device),
             )
         tables = out.block_tables
-        batch = sorted(
-            out.scheduled, key=lambda s: (s.num_query_tokens != 1, tables[s.seq.seq_id])
-        )
+        batch = sorted(out.scheduled, key=lambda s: (s.num_query_tokens != 1, tables[s.seq.seq_id]))
         spans = [SeqSpan(tables[s.seq.seq_id], s.seq.num_computed_tokens, s.num_query_tokens)
                  for s in batch]  # fmt: skip
         input_ids = [t for s in batch for t in _query_token_ids(s)]

@@ -147,7 +147,9 @@ class SamplingStep:
         params = [sched.request.params for sched, _, _, _ in rows]
         seqs = [sched.seq for sched, _, _, _ in rows]
         # row j's output so far: the sequence's, then the drafts scored before the row
-        outputs = [sched.seq.output_token_ids + sched.draft_token_ids[:d] for sched, _, _, d in rows]
+        outputs = [
+            sched.seq.output_token_ids + sched.draft_token_ids[:d] for sched, _, _, d in rows
+        ]
         indices = [i for _, i, _, _ in rows]
         if indices != list(range(logits.shape[0])):  # else every row, in order: no copy
             logits = logits.index_select(0, torch.tensor(indices, device=logits.device))

@@ -119,7 +119,15 @@ def test_adaptive_k_follows_recent_acceptance():
     request, seq = _request(tokens)
     seq.num_computed_tokens = len(tokens) - 1
     assert len(proposer.propose(request, seq, 1, 10)) == 5
-    proposer.observe(seq, 5, 0)  # all missed: one draft next time
+    proposer.observe(seq, 5, 0)  # all missed: skip one step, then one draft
+    assert proposer.propose(request, seq, 1, 10) == []
+    assert proposer.propose(request, seq, 1, 10) == [2]
+    proposer.observe(seq, 1, 0)  # missed twice in a row: skip two steps
+    assert [proposer.propose(request, seq, 1, 10) for _ in range(3)] == [[], [], [2]]
+    proposer.observe(seq, 1, 1)  # a hit ends the back-off
+    assert proposer.propose(request, seq, 1, 10) == [2, 3]
+    proposer.observe(seq, 2, 0)
+    assert proposer.propose(request, seq, 1, 10) == []
     assert proposer.propose(request, seq, 1, 10) == [2]
     proposer.observe(seq, 1, 1)  # all accepted: one more
     assert proposer.propose(request, seq, 1, 10) == [2, 3]

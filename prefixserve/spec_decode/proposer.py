@@ -11,7 +11,9 @@ grammar allows.
 
 Adaptive k: a sequence starts at ``num_speculative_tokens``; after a verification that accepted
 ``a`` of its drafts it proposes at most ``a + 1`` next time (at least as many as before if it
-accepted them all), so a sequence whose drafts miss spends one draft slot per step, not k.
+accepted them all). After ``m`` verifications in a row that accepted nothing it skips the next
+``min(2**(m-1), MAX_BACKOFF_STEPS)`` steps' drafts (its text is not copying anything now), so free
+text pays little for speculation: one draft now and then.
 
 Suffix drafts (``method="suffix"``) also search the recent outputs of the request's tenant
 (``Request.extra_keys``: its ``cache_salt``): one tenant's outputs never draft another's, since
@@ -24,6 +26,7 @@ from __future__ import annotations
 import weakref
 from collections import OrderedDict
 from collections.abc import Hashable
+from dataclasses import dataclass
 
 from prefixserve.sequence import Request, Sequence
 from prefixserve.spec_decode.config import SpeculativeConfig
@@ -33,13 +36,23 @@ from prefixserve.spec_decode.output_index import OutputIndex
 from prefixserve.structured_outputs.grammar import Grammar
 
 MAX_TENANTS = 256
+MAX_BACKOFF_STEPS = 16
+
+
+@dataclass(slots=True)
+class _Adaptive:
+    """One sequence's draft budget: ``k`` drafts at most, none for ``backoff`` more steps."""
+
+    k: int
+    misses: int = 0  # verifications in a row that accepted nothing
+    backoff: int = 0
 
 
 class DraftProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.stats = SpecDecodeStats(config.method)
-        self._num_drafts: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
+        self._adaptive: weakref.WeakKeyDictionary[Sequence, _Adaptive] = weakref.WeakKeyDictionary()
         self._tenants: OrderedDict[Hashable, OutputIndex] = OrderedDict()
 
     def is_enabled(self, num_running_seqs: int) -> bool:
@@ -54,8 +67,12 @@ class DraftProposer:
         reaches_last = num_new_tokens > 0 and num_new_tokens == seq.num_uncomputed_tokens
         if request.is_beam_search or request.awaits_fork or not reaches_last:
             return []
+        adaptive = self._adaptive.get(seq)
+        if adaptive is not None and adaptive.backoff > 0:
+            adaptive.backoff -= 1
+            return []
         k = min(
-            self._num_drafts.get(seq, self.config.num_speculative_tokens),
+            adaptive.k if adaptive is not None else self.config.num_speculative_tokens,
             max_drafts,
             request.max_total_tokens - seq.num_tokens - 1,
         )
@@ -79,10 +96,14 @@ class DraftProposer:
         self.stats.observe(num_drafts, num_accepted)
         if num_drafts == 0:
             return
+        adaptive = self._adaptive.setdefault(seq, _Adaptive(self.config.num_speculative_tokens))
         k = num_accepted + 1
         if num_accepted == num_drafts:
-            k = max(k, self._num_drafts.get(seq, self.config.num_speculative_tokens))
-        self._num_drafts[seq] = min(k, self.config.num_speculative_tokens)
+            k = max(k, adaptive.k)
+        adaptive.k = min(k, self.config.num_speculative_tokens)
+        adaptive.misses = adaptive.misses + 1 if num_accepted == 0 else 0
+        if adaptive.misses:
+            adaptive.backoff = min(2 ** (adaptive.misses - 1), MAX_BACKOFF_STEPS)
 
     def remember(self, request: Request) -> None:
         """Index a finished request's outputs for its tenant (``method="suffix"`` only)."""
