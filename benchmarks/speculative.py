@@ -17,7 +17,7 @@ Systems: speculation off, ``ngram`` and ``suffix`` (k = 4, n-grams of 2..5 token
 (``--repeats``) builds one fresh engine per system in turn and warms it up on every workload's
 first prompt (so all systems start from the same cached prefixes). Reported per (workload,
 streams, system): generated tokens/s over the batch's wall time (median over rounds), speed-up
-over off (median of the per-round ratios), acceptance rate, mean acceptance length, and whether
+over off (median of the per-round ratios), engine steps (deterministic: greedy), acceptance rate, mean acceptance length, and whether
 the outputs equal the ones without speculation (greedy: they must). llama.cpp's ``llama-server``
 is the peer when it is on PATH (it is not run otherwise; the JSON says so).
 """
@@ -136,12 +136,14 @@ def run_system(model: Path, spec: dict | None, jobs: list[tuple[str, int]], max_
     results = {}
     for name, streams in jobs:
         before = llm.llm_engine.stats().spec_decode
+        steps = llm.llm_engine.num_steps
         start = time.perf_counter()
         outs = llm.chat([workload(name, i) for i in range(streams)], params, use_tqdm=False)
         wall = time.perf_counter() - start
         after = llm.llm_engine.stats().spec_decode
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         entry = {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+                 "steps": llm.llm_engine.num_steps - steps,
                  "outputs": [o.outputs[0].token_ids for o in outs]}  # fmt: skip
         if after is not None:
             drafts = after["num_drafts"] - before["num_drafts"]
@@ -174,9 +176,9 @@ def main() -> None:
         for _ in range(args.repeats)
     ]
     rows = []
-    print("| workload | streams | system | tok/s | vs off | acceptance | mean accepted length "
-          "| same output |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print("| workload | streams | system | tok/s | vs off | engine steps | acceptance "
+          "| mean accepted length | same output |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for key in jobs:
         for name in SYSTEMS:
             runs = [run[name][key] for run in rounds]
@@ -186,7 +188,8 @@ def main() -> None:
             row = {"workload": key[0], "streams": key[1], "system": name,
                    "tokens_per_s": statistics.median(x["tokens_per_s"] for x in runs),
                    "speedup": statistics.median(ratios), "speedups_per_round": ratios,
-                   "tokens": r["tokens"], "acceptance_rate": r.get("acceptance_rate"),
+                   "tokens": r["tokens"], "steps": r["steps"],
+                   "acceptance_rate": r.get("acceptance_rate"),
                    "mean_acceptance_length": r.get("mean_acceptance_length"),
                    "same_output": all(run[name][key]["outputs"] == run["off"][key]["outputs"]
                                       for run in rounds)}  # fmt: skip
@@ -194,7 +197,7 @@ def main() -> None:
             acc = "-" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.0%}"
             mal = row["mean_acceptance_length"]
             print(f"| {key[0]} | {key[1]} | {name} | {row['tokens_per_s']:.1f} | "
-                  f"{row['speedup']:.2f}x | {acc} | {'-' if mal is None else f'{mal:.2f}'} | "
+                  f"{row['speedup']:.2f}x | {row['steps']} | {acc} | {'-' if mal is None else f'{mal:.2f}'} | "
                   f"{row['same_output']} |")  # fmt: skip
     peer = shutil.which("llama-server")
     write_json(
