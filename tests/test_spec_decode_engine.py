@@ -9,6 +9,8 @@ from collections import Counter
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixserve import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from prefixserve.errors import InvalidArgumentError, StepFailedError
@@ -280,3 +282,30 @@ def test_failed_speculative_step_leaves_no_draft_block(counting):
     fresh, _ = run(counting, [COUNTING], params)
     again = llm.generate([COUNTING], params, use_tqdm=False)[0]
     assert again.outputs[0].token_ids == fresh[0].outputs[0].token_ids
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(
+    prompts=st.lists(
+        st.lists(st.sampled_from([5, 6, 7, 8, 40, 41, 42, 300]), min_size=2, max_size=30),
+        min_size=1,
+        max_size=3,
+    ),
+    k=st.integers(1, 6),
+    block_size=st.sampled_from([2, 4, 16]),
+    budget=st.sampled_from([5, 16, 2048]),
+    num_kv_blocks=st.sampled_from([40, 400]),
+    n=st.integers(1, 2),
+    method=st.sampled_from(["ngram", "suffix"]),
+    caching=st.booleans(),
+)
+def test_greedy_exactness_property(counting, prompts, k, block_size, budget, num_kv_blocks, n,
+                                   method, caching):  # fmt: skip
+    """Any mix of prompts (a small alphabet, so n-grams repeat), k, block size, token budget,
+    cache size, n and method: greedy output equals plain decoding's."""
+    spec = dict(SPEC, method=method, num_speculative_tokens=k)
+    params = SamplingParams(n=n, max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine = {"block_size": block_size, "max_num_batched_tokens": budget,
+              "num_kv_blocks": max(num_kv_blocks, 2 * 64 // block_size * len(prompts) * n),
+              "enable_prefix_caching": caching}  # fmt: skip
+    assert_same(counting, prompts, params, spec=spec, **engine)
