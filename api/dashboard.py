@@ -36,6 +36,7 @@ def stats(engine: AsyncEngine, metrics: ServerMetrics) -> dict:
         "ttft_count": int(ttft_count),
         "ttft_mean_s": ttft_sum / ttft_count if ttft_count else 0.0,
         "ttft_recent_s": sum(recent) / len(recent) if recent else 0.0,
+        "spec_decode": snap.spec_decode,  # None when speculative decoding is off
     }
 
 

@@ -87,6 +87,30 @@ class _EngineCollector(Collector):
         yield counter("prefixserve_prompt_tokens", "Prompt tokens received.", s.prompt_tokens)
         yield counter("prefixserve_generation_tokens", "Tokens generated.", s.generation_tokens)
         yield from self._structured_outputs()
+        yield from self._spec_decode()
+
+    def _spec_decode(self) -> Iterator[Metric]:
+        """Speculative decoding counters and ratios, labelled by method (none when it is off)."""
+        spec = self.stats.spec_decode
+        if spec is None:
+            return
+        labels = [self.model_name, spec["method"]]
+        for name, doc, key, kind in (
+            ("prefixserve_spec_decode_num_drafts", "Verifications with draft tokens.",
+             "num_drafts", CounterMetricFamily),
+            ("prefixserve_spec_decode_num_draft_tokens", "Draft tokens scored.",
+             "num_draft_tokens", CounterMetricFamily),
+            ("prefixserve_spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+             "num_accepted_tokens", CounterMetricFamily),
+            ("prefixserve_spec_decode_acceptance_rate", "Accepted / draft tokens.",
+             "acceptance_rate", GaugeMetricFamily),
+            ("prefixserve_spec_decode_mean_acceptance_length",
+             "Tokens per speculating step: 1 + accepted / drafts.", "mean_acceptance_length",
+             GaugeMetricFamily),
+        ):  # fmt: skip
+            family = kind(name, doc, labels=["model_name", "method"])
+            family.add_metric(labels, spec[key])
+            yield family
 
     def _structured_outputs(self) -> Iterator[Metric]:
         so, label = self.stats.structured_outputs, self.model_name

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from prefixserve.errors import InvalidArgumentError, require
+from prefixserve.spec_decode.config import SpeculativeConfig
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _BACKENDS = ("auto", "torch", "triton")
@@ -29,6 +31,8 @@ class EngineConfig:
     ``quantization`` (int8 / int4): weight-only quantization of the decoder's linear layers
     (``prefixserve.models.quantization``). ``gguf_dequantize``: load a GGUF file's quantized
     tensors as float instead of keeping them quantized (``prefixserve.models.gguf_loader``).
+    ``speculative_config`` (vLLM's dict, or a ``SpeculativeConfig``; default None: off): draft
+    tokens from the request's own text, verified in the same step (``prefixserve.spec_decode``).
     """
 
     model: str | None = None
@@ -54,8 +58,17 @@ class EngineConfig:
     enforce_eager: bool = False
     quantization: str | None = None
     gguf_dequantize: bool = False
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        require(
+            self.speculative_config is None
+            or isinstance(self.speculative_config, SpeculativeConfig),
+            "speculative_config",
+            f"must be a dict or None, got {type(self.speculative_config).__name__}",
+        )
         bs = self.block_size
         require(
             isinstance(bs, int) and bs >= 1 and bs & (bs - 1) == 0,

@@ -82,6 +82,8 @@ class EngineStats:
     step_times: StepTimes
     # requests by kind ("json", "regex", ...), compiles, cache hits, the compile-time histogram
     structured_outputs: dict[str, Any]
+    # speculative decoding (``SpecDecodeStats.snapshot``); None when it is off
+    spec_decode: dict[str, Any] | None = None
 
 
 class LLMEngine:
@@ -163,6 +165,12 @@ class LLMEngine:
                 raise InvalidArgumentError("params: required with a prompt", "params")
             prepared = self.preprocessor.process(prompt, params)
         params = prepared.params
+        if isinstance(params, BeamSearchParams) and self.config.speculative_config is not None:
+            raise InvalidArgumentError(
+                "beam search is not supported with speculative decoding; serve without "
+                "--speculative-config for beam search",
+                "use_beam_search",
+            )
         token_ids = list(prepared.prompt_token_ids)
         self.scheduler.check_fits(len(token_ids), prepared.max_total_tokens, prepared.width)
         salt = params.cache_salt
@@ -283,6 +291,9 @@ class LLMEngine:
                 "requests": dict(self._structured_requests),
                 **self.structured_outputs.stats(),
             },
+            spec_decode=proposer.stats.snapshot()
+            if (proposer := self.scheduler.proposer) is not None
+            else None,
         )
 
     def kv_usage(self) -> KVUsage:

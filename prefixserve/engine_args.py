@@ -7,6 +7,7 @@ replica's engine from the same arguments; it imports neither, so neither imports
 from __future__ import annotations
 
 import argparse
+import json
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -56,6 +57,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="publish prefix-cache changes (vLLM's KV events, ZMQ PUB) here, e.g. tcp://*:5557",
     )
     p.add_argument("--kv-events-replay-endpoint", default=None, help="ZMQ replay socket")
+    p.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        default=None,
+        help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4}\' (default: off)',
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -81,6 +89,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         seed=args.seed,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        speculative_config=args.speculative_config,
     )
 
 

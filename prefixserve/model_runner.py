@@ -4,7 +4,8 @@ Per step: perform the copy-on-write block copies, lay the batch out (decodes fir
 that share leading blocks next to each other, so each prefix group's tokens are one slice), build
 ``input_ids`` and the ``AttentionMetadata``, run the model once (a decode step on CUDA replays a
 CUDA graph captured at start-up, ``prefixserve.cuda_graphs``), and compute logits only at the
-last token of every sequence that samples. It reads sequences and never changes them.
+last token of every sequence that samples (a speculating sequence: its last token and each of its
+draft tokens, which run right after it). It reads sequences and never changes them.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunnerOutput(NamedTuple):
-    """``logits[i]`` (``[len(samplers), V]``) belongs to ``samplers[i]``, the scheduled sequences
-    that sample this step; where the step's time went; and for each scheduled sequence that asks
+    """``samplers``: the scheduled sequences that sample this step; ``samplers[i]`` owns
+    ``num_sample_rows`` consecutive rows of ``logits`` (one, or 1 + its drafts), in order; where
+    the step's time went; and for each scheduled sequence that asks
     for prompt logprobs, the logits of its chunk's rows that score prompt tokens (row ``j``:
     position ``num_computed_tokens + j``, predicting the next prompt token)."""
 
@@ -122,20 +124,20 @@ class ModelRunner:
                 torch.tensor(dst, dtype=torch.int64, device=self.device),
             )
         tables = out.block_tables
-        batch = sorted(out.scheduled, key=lambda s: (s.num_new_tokens != 1, tables[s.seq.seq_id]))
-        spans = [SeqSpan(tables[s.seq.seq_id], s.seq.num_computed_tokens, s.num_new_tokens)
+        batch = sorted(out.scheduled, key=lambda s: (s.num_query_tokens != 1, tables[s.seq.seq_id]))
+        spans = [SeqSpan(tables[s.seq.seq_id], s.seq.num_computed_tokens, s.num_query_tokens)
                  for s in batch]  # fmt: skip
-        input_ids = [t for s, (_, start, n) in zip(batch, spans)
-                     for t in s.seq.token_ids[start : start + n]]  # fmt: skip
+        input_ids = [t for s in batch for t in _query_token_ids(s)]
         positions, meta = build_attention_metadata(spans, self.block_size, self.device)
         qsl = meta.query_start_loc_cpu
         samplers = [s for s in batch if s.samples]
-        sample_rows = [qsl[i + 1] - 1 for i, s in enumerate(batch) if s.samples]
+        sample_rows = [row for i, s in enumerate(batch)
+                       for row in range(qsl[i + 1] - s.num_sample_rows, qsl[i + 1])]  # fmt: skip
         scored = [(s, qsl[i], n) for i, s in enumerate(batch) if (n := _num_prompt_rows(s)) > 0]
         keep = None
-        if len(samplers) < len(input_ids) and not scored:
+        if len(sample_rows) < len(input_ids) and not scored:
             # the last layer runs for the sampling rows only (prompt logprobs need every row)
-            row_spans = [SeqSpan(table, start + n - 1, 1)
+            row_spans = [SeqSpan(table, start + n - s.num_sample_rows, s.num_sample_rows)
                          for s, (table, start, n) in zip(batch, spans) if s.samples]  # fmt: skip
             row_meta = (
                 build_attention_metadata(row_spans, self.block_size, self.device)[1]
@@ -150,13 +152,19 @@ class ModelRunner:
             hidden = self.graphs.run(ids, positions, self.kv_caches, meta, keep)
         if hidden is None:
             hidden = self.model(ids, positions, self.kv_caches, meta, keep)
-        if keep is None and len(samplers) < len(input_ids):
+        if keep is None and len(sample_rows) < len(input_ids):
             logits = self.model.compute_logits(hidden[sample_rows])
         else:
             logits = self.model.compute_logits(hidden)
         prompt_logits = [(s, self.model.compute_logits(hidden[first : first + n]))
                          for s, first, n in scored]  # fmt: skip
         return ModelRunnerOutput(samplers, logits, t1 - t0, time.perf_counter() - t1, prompt_logits)
+
+
+def _query_token_ids(sched: ScheduledSeq) -> list[int]:
+    """The tokens the step runs for ``sched``: its scheduled tokens, then its drafts."""
+    start = sched.seq.num_computed_tokens
+    return sched.seq.token_ids[start : start + sched.num_new_tokens] + sched.draft_token_ids
 
 
 def _num_prompt_rows(sched: ScheduledSeq) -> int:

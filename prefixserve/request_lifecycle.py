@@ -9,6 +9,10 @@ After a step (``apply``), in this order per scheduled sequence::
                        append -> hash the blocks it fills -> advance the grammar
                        -> stops (StopChecker) -> a finished sequence frees its blocks
                        -> under a grammar, the text it forces next (jump-forward), as if sampled
+    verified drafts:   append the accepted drafts and the token after them, one by one as above
+                       (a stop or forced text ends it early) -> num_computed_tokens += kept drafts
+                       -> free the blocks that held only rejected drafts -> register the blocks
+                       now full of accepted tokens in the prefix cache
     beam steps:        fork beams chosen twice, free beams not chosen, append each beam's token
     a request whose processing raised: failed alone (``request.error``), its sequences aborted
 
@@ -26,8 +30,9 @@ from prefixserve.config import EngineConfig
 from prefixserve.kv.hashing import extend_block_hashes
 from prefixserve.kv.kv_cache_manager import KVCacheManager
 from prefixserve.sampling_step import SampledToken, SamplingResult, describe_error
-from prefixserve.scheduler_output import SchedulerOutput
+from prefixserve.scheduler_output import ScheduledSeq, SchedulerOutput
 from prefixserve.sequence import Request, Sequence
+from prefixserve.spec_decode.proposer import DraftProposer
 from prefixserve.stop_checker import StopChecker
 
 logger = logging.getLogger(__name__)
@@ -41,9 +46,14 @@ class RequestLifecycle:
     """
 
     def __init__(
-        self, config: EngineConfig, kv_cache_manager: KVCacheManager, stop_checker: StopChecker
+        self,
+        config: EngineConfig,
+        kv_cache_manager: KVCacheManager,
+        stop_checker: StopChecker,
+        proposer: DraftProposer | None = None,
     ) -> None:
         self.kv = kv_cache_manager
+        self.proposer = proposer  # told each verification's outcome (metrics)
         self.stop_checker = stop_checker
         self.block_size = kv_cache_manager.block_size
         self.enable_caching = config.enable_prefix_caching
@@ -90,6 +100,8 @@ class RequestLifecycle:
             scored.extend(entries[len(scored) - first :])  # a recomputed chunk adds nothing new
         updates = [(sched.request, self._append_samples, sched.seq, tokens)
                    for sched, tokens in result.tokens]  # fmt: skip
+        updates += [(sched.request, self._append_verified, sched, tokens)
+                    for sched, tokens in result.verified]  # fmt: skip
         updates += [(request, self._apply_beam_step, step) for request, step in result.beams]
         failed = list(result.failed)
         for request, apply, *args in updates:
@@ -116,6 +128,41 @@ class RequestLifecycle:
             self._append_output(request, s, token.token_id, token.logprob, token.top_logprobs)
             if self.enable_jump_forward and s.grammar is not None:
                 self._jump_forward(request, s)
+
+    def _append_verified(
+        self, request: Request, sched: ScheduledSeq, tokens: list[SampledToken]
+    ) -> None:
+        """A speculating sequence's tokens: its accepted drafts, then the token sampled after the
+        last of them, each appended as if sampled alone. Where plain decoding would stop (a stop)
+        or append forced text instead of sampling the next token (jump-forward), the rest is
+        dropped, so the output is the one plain decoding makes. The kept drafts' K/V was written
+        by the step, so they count as computed; the blocks that held only rejected drafts go back
+        to the pool, and the blocks now full of accepted tokens are registered."""
+        seq = sched.seq
+        num_accepted = len(tokens) - 1
+        accepted = [t.token_id for t in tokens[:-1]]
+        assert accepted == sched.draft_token_ids[:num_accepted], "accepted drafts come first"
+        if self.proposer is not None:
+            self.proposer.observe(seq, len(sched.draft_token_ids), num_accepted)
+        kept = 0
+        for token in tokens:
+            self._append_output(request, seq, token.token_id, token.logprob, token.top_logprobs)
+            kept += 1
+            if seq.is_finished:
+                return
+            if self.enable_jump_forward and seq.grammar is not None:
+                num_tokens = seq.num_tokens
+                self._jump_forward(request, seq)
+                if seq.is_finished:
+                    return
+                if seq.num_tokens > num_tokens:  # forced text follows: sampling stops here
+                    break
+        seq.num_computed_tokens += min(kept, num_accepted)
+        self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
+        if self.enable_caching:
+            self.kv.cache_full_blocks(
+                seq.seq_id, seq.token_ids, seq.block_hashes, seq.num_computed_tokens
+            )
 
     def _append_output(
         self,

@@ -7,6 +7,18 @@ The first sample of an n > 1 request draws n tokens from its one row, one per sa
 generator; the scheduler forks the sequence when it applies them. Beam-search requests get their
 ``BeamStep`` instead, scored over the tokens their beams' grammars allow.
 
+A speculating sequence owns ``1 + k`` consecutive rows (its last token, then its k drafts). Row
+``j`` is sampled exactly as plain decoding would sample the token after ``drafts[:j]`` (its
+penalties, bans and grammar mask see those drafts as output). Verification keeps drafts while
+each row's sample equals the draft; the first row whose sample differs (or the row after the
+last draft, the bonus) gives the next token. With a point-mass draft this is the standard
+accept/resample rule: the sample equals the draft with probability p(draft) (accept), and a sample
+that differs is distributed as p with the draft removed and renormalized (the residual). Greedy
+rows reduce to "accept while argmax equals the draft". So the output distribution is exactly that
+of plain decoding; a seeded request draws from its generator once per scored row, so it is
+reproducible for a given speculative config, but not token-identical to the same seed without
+speculation when it samples at temperature > 0.
+
 Nothing here changes a request or a sequence. One request's fault (NaN or inf logits, an
 exception while sampling it or deciding its beams) lands in ``failed`` and the others carry on:
 when the batched call raises, it is retried request by request to find the culprit.
@@ -28,7 +40,7 @@ from prefixserve.sampling_metadata import SamplingMetadata
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.scheduler_output import ScheduledSeq
 from prefixserve.sequence import Request, Sequence
-from prefixserve.structured_outputs.grammar import allocate_bitmask, apply_bitmask
+from prefixserve.structured_outputs.grammar import Grammar, allocate_bitmask, apply_bitmask
 from prefixserve.structured_outputs.manager import StructuredOutputManager
 
 
@@ -45,17 +57,21 @@ class SampledToken:
 class SamplingResult:
     """``tokens``: per sampling sequence, its sampled token (n tokens for a first sample that
     forks). ``beams``: per beam-search request, its step. ``failed``: requests to end with an
-    error, and why. ``prompt_logprobs``: what this step scored of prompts that asked for it."""
+    error, and why. ``prompt_logprobs``: what this step scored of prompts that asked for it.
+    ``verified``: per speculating sequence, the tokens it emits in order."""
 
     tokens: list[tuple[ScheduledSeq, list[SampledToken]]] = field(default_factory=list)
+    # per speculating sequence: its accepted drafts, then the token sampled after them
+    verified: list[tuple[ScheduledSeq, list[SampledToken]]] = field(default_factory=list)
     beams: list[tuple[Request, BeamStep]] = field(default_factory=list)
     failed: list[tuple[Request, str]] = field(default_factory=list)
     # (request, position of the first entry, one {token: logprob} per prompt position)
     prompt_logprobs: list[tuple[Request, int, list[dict[int, float]]]] = field(default_factory=list)
 
 
-# (scheduled sequence, row of the step's logits, sample index): one sampled token each
-_Row = tuple[ScheduledSeq, int, int]
+# (scheduled sequence, row of the step's logits, sample index, drafts before the row): one
+# sampled token each
+_Row = tuple[ScheduledSeq, int, int, int]
 
 
 class SamplingStep:
@@ -77,7 +93,8 @@ class SamplingStep:
         logits: torch.Tensor,
         prompt_logits: SequenceABC[tuple[ScheduledSeq, torch.Tensor]] = (),
     ) -> SamplingResult:
-        """``logits[i]`` belongs to ``samplers[i]``; ``prompt_logits`` score prompt tokens."""
+        """``samplers[i]`` owns ``num_sample_rows`` consecutive rows of ``logits``, in order;
+        ``prompt_logits`` score prompt tokens."""
         result = SamplingResult()
         for sched, rows in prompt_logits:
             try:
@@ -86,14 +103,18 @@ class SamplingStep:
                 result.failed.append((sched.request, describe_error(exc, "prompt logprobs")))
         rows: list[_Row] = []
         beam_rows: dict[str, list[int]] = {}
-        for i, sched in enumerate(samplers):
+        i = 0
+        for sched in samplers:
             request = sched.request
             if request.is_beam_search:
                 beam_rows.setdefault(request.request_id, []).append(i)
             elif request.awaits_fork:
-                rows.extend((sched, i, j) for j in range(request.num_samples))
+                rows.extend((sched, i, j, 0) for j in range(request.num_samples))
             else:
-                rows.append((sched, i, sched.seq.index))
+                index = sched.seq.index
+                rows.extend((sched, i + j, index, j) for j in range(sched.num_sample_rows))
+            i += sched.num_sample_rows
+        assert i == logits.shape[0], f"{i} sample rows but {logits.shape[0]} logits rows"
         rows = self._drop_non_finite(rows, logits, result)
         if rows:
             self._sample_rows(rows, logits, result)
@@ -108,7 +129,7 @@ class SamplingStep:
         if bool(finite.all()):
             return rows
         bad = set((~finite).nonzero().flatten().tolist())
-        failed = {sched.request.request_id: sched.request for sched, i, _ in rows if i in bad}
+        failed = {sched.request.request_id: sched.request for sched, i, _, _ in rows if i in bad}
         result.failed.extend((r, "the model produced non-finite logits") for r in failed.values())
         return [row for row in rows if row[0].request.request_id not in failed]
 
@@ -126,42 +147,63 @@ class SamplingStep:
                     result.failed.append((group[0][0].request, describe_error(exc, "sampling")))
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> SamplerOutput:
-        params = [sched.request.params for sched, _, _ in rows]
-        seqs = [sched.seq for sched, _, _ in rows]
-        indices = [i for _, i, _ in rows]
+        params = [sched.request.params for sched, _, _, _ in rows]
+        seqs = [sched.seq for sched, _, _, _ in rows]
+        # row j's output so far: the sequence's, then the drafts scored before the row
+        outputs = [
+            sched.seq.output_token_ids + sched.draft_token_ids[:d] for sched, _, _, d in rows
+        ]
+        indices = [i for _, i, _, _ in rows]
         if indices != list(range(logits.shape[0])):  # else every row, in order: no copy
             logits = logits.index_select(0, torch.tensor(indices, device=logits.device))
         generators = {}
-        for j, (sched, _, sample) in enumerate(rows):
+        for j, (sched, _, sample, _) in enumerate(rows):
             if sched.request.generators is not None:
                 generators[j] = sched.request.generators[sample]
         metadata = SamplingMetadata.from_params(
             params,
-            output_token_ids=[s.output_token_ids for s in seqs],
-            prompt_token_ids=[sched.request.prompt_token_ids for sched, _, _ in rows],
+            output_token_ids=outputs,
+            prompt_token_ids=[sched.request.prompt_token_ids for sched, _, _, _ in rows],
             generators=generators,
             banned_token_ids=[
-                self._banned_tokens(sched.request, sched.seq) for sched, _, _ in rows
+                self._banned_tokens(sched.request, output, sched.seq.grammar is not None)
+                for (sched, _, _, _), output in zip(rows, outputs)
             ],
             device=logits.device,
         )
         metadata.bitmask_rows = [j for j, s in enumerate(seqs) if s.grammar is not None]
         if metadata.bitmask_rows:
-            metadata.token_bitmask = self._bitmask(seqs, metadata.bitmask_rows, logits.shape[-1])
+            drafts = [rows[j][0].draft_token_ids[: rows[j][3]] for j in metadata.bitmask_rows]
+            metadata.token_bitmask = self._bitmask(
+                seqs, metadata.bitmask_rows, logits.shape[-1], drafts
+            )
         return self.sampler(logits, metadata)
 
-    def _bitmask(self, seqs: list[Sequence], rows: list[int], vocab_size: int) -> torch.Tensor:
-        """Row ``j`` of ``rows``: what ``seqs[j]``'s grammar allows next (batched fill)."""
+    def _bitmask(
+        self,
+        seqs: list[Sequence],
+        rows: list[int],
+        vocab_size: int,
+        drafts: list[list[int]] | None = None,
+    ) -> torch.Tensor:
+        """Row ``rows[i]``: what ``seqs[rows[i]]``'s grammar allows next after ``drafts[i]``
+        (batched fill for the rows without drafts; one by one, advancing the matcher over the
+        drafts and rolling it back, for the others)."""
         bitmask = allocate_bitmask(len(seqs), vocab_size)
-        self.structured_outputs.fill_bitmasks([seqs[j].grammar for j in rows], bitmask, rows)
+        drafts = drafts or [[] for _ in rows]
+        plain = [j for j, d in zip(rows, drafts) if not d]
+        self.structured_outputs.fill_bitmasks([seqs[j].grammar for j in plain], bitmask, plain)
+        for j, before in zip(rows, drafts):
+            if before:
+                _fill_after(seqs[j].grammar, before, bitmask, j)
         return bitmask
 
-    def _banned_tokens(self, request: Request, seq: Sequence) -> list[int]:
-        """Tokens this sequence may not sample now: the last token of a bad word whose other
-        tokens end its output; and before ``min_tokens``, EOS and the stop token ids (under a
-        grammar, which alone decides where the output may end, only the stop token ids)."""
+    def _banned_tokens(self, request: Request, output: list[int], constrained: bool) -> list[int]:
+        """Tokens a sequence whose output is ``output`` may not sample next: the last token of a
+        bad word whose other tokens end its output; and before ``min_tokens``, EOS and the stop
+        token ids (under a grammar, ``constrained``, which alone decides where the output may
+        end, only the stop token ids)."""
         params: SamplingParams = request.params  # type: ignore[assignment]
-        output = seq.output_token_ids
         banned = []
         for word in request.bad_words_token_ids:
             before = len(word) - 1  # tokens that must end the output for the last one to be banned
@@ -169,9 +211,9 @@ class SamplingStep:
                 len(output) >= before and output[len(output) - before :] == word[:-1]
             ):
                 banned.append(word[-1])
-        if seq.num_output_tokens < params.min_tokens:
+        if len(output) < params.min_tokens:
             banned.extend(params.stop_token_ids)
-            if not params.ignore_eos and seq.grammar is None:
+            if not params.ignore_eos and not constrained:
                 banned.extend(self.eos_token_ids)
         return banned
 
@@ -182,11 +224,13 @@ class SamplingStep:
         topk_ids = out.topk_token_ids.tolist() if out.topk_token_ids is not None else None
         topk_lps = out.topk_logprobs.tolist() if out.topk_logprobs is not None else None
         last: ScheduledSeq | None = None
-        for j, (sched, _, _) in enumerate(rows):
+        for j, (sched, _, _, before) in enumerate(rows):
             k = sched.request.params.logprobs
             top = list(zip(topk_ids[j][:k], topk_lps[j][:k])) if k and topk_ids else []
             token = SampledToken(token_ids[j], logprobs[j], top)
-            if sched is last:  # the next sample of a forking row
+            if sched.draft_token_ids:
+                _verify(result.verified, sched, before, token)
+            elif sched is last:  # the next sample of a forking row
                 result.tokens[-1][1].append(token)
             else:
                 result.tokens.append((sched, [token]))
@@ -206,6 +250,37 @@ class SamplingStep:
             result.failed.append((request, describe_error(exc, "beam search")))
             return
         result.beams.append((request, step))
+
+
+def _verify(
+    verified: list[tuple[ScheduledSeq, list[SampledToken]]],
+    sched: ScheduledSeq,
+    before: int,
+    token: SampledToken,
+) -> None:
+    """Row ``before`` of a speculating sequence (rows arrive in order): its token is emitted iff
+    every earlier row's token equalled its draft (all drafts before it were accepted)."""
+    if before == 0:
+        verified.append((sched, [token]))
+        return
+    emitted = verified[-1][1]
+    if len(emitted) == before and emitted[-1].token_id == sched.draft_token_ids[before - 1]:
+        emitted.append(token)
+
+
+def _fill_after(grammar: Grammar, drafts: list[int], bitmask: torch.Tensor, row: int) -> None:
+    """``bitmask[row]``: what the grammar allows after ``drafts``; the grammar is left as it was.
+    The scheduler proposed only drafts the grammar accepts without terminating."""
+    accepted = 0
+    for token_id in drafts:
+        if not grammar.accept_token(token_id):
+            break
+        accepted += 1
+    try:
+        assert accepted == len(drafts), "a proposed draft is one the grammar accepts"
+        grammar.fill_bitmask(bitmask, row)
+    finally:
+        grammar.rollback(accepted)
 
 
 def _prompt_logprobs(

@@ -1,7 +1,8 @@
 """Continuous batching: the policy that decides which requests run, and how many tokens each.
 
 ``schedule()`` hands out a token budget (``max_num_batched_tokens``): running requests first, in
-priority order, one token per decoding sequence or a chunk of a prompt still being prefilled; then
+priority order, one token per decoding sequence (plus its draft tokens when it speculates,
+``prefixserve.spec_decode``) or a chunk of a prompt still being prefilled; then
 waiting requests are admitted while the budget, ``max_num_seqs`` and the KV cache allow. A waiting
 request starts from its longest cached prefix, so only the rest is computed.
 
@@ -36,6 +37,7 @@ from prefixserve.request_lifecycle import RequestLifecycle
 from prefixserve.sampling_step import SamplingResult
 from prefixserve.scheduler_output import ScheduledSeq, SchedulerOutput
 from prefixserve.sequence import Request, RequestStatus, Sequence
+from prefixserve.spec_decode.proposer import DraftProposer
 from prefixserve.stop_checker import StopChecker
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,9 @@ logger = logging.getLogger(__name__)
 # tokens per second waited, so a request without any hit still gets admitted eventually.
 AGING_TOKENS_PER_SECOND = 512.0
 PREFIX_POLICY_WINDOW = 64
+
+# one sequence's share of a step: (sequence, its tokens to run, draft tokens scored after them)
+_Plan = tuple[Sequence, int, list[int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +87,9 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.kv = kv_cache_manager
-        self.lifecycle = RequestLifecycle(config, kv_cache_manager, stop_checker)
+        spec = config.speculative_config
+        self.proposer = DraftProposer(spec) if spec is not None else None
+        self.lifecycle = RequestLifecycle(config, kv_cache_manager, stop_checker, self.proposer)
         self.block_size = kv_cache_manager.block_size
         self.enable_caching = config.enable_prefix_caching
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
@@ -143,10 +150,11 @@ class Scheduler:
         self._first_admitted.clear()
         budget = self.config.max_num_batched_tokens
         preempted = False
+        speculate = self.proposer is not None and self.proposer.is_enabled(self.num_running_seqs())
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            plan = self._plan_running(request, budget)
+            plan = self._plan_running(request, budget, speculate)
             while not self._append_slots(plan, out.block_copies):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -155,10 +163,10 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
-            for seq, n in plan:
+            for seq, n, drafts in plan:
                 if n > 0:
-                    out.scheduled.append(ScheduledSeq(request, seq, n))
-                    budget -= n
+                    out.scheduled.append(ScheduledSeq(request, seq, n, drafts))
+                    budget -= n + len(drafts)
             i += 1
         if not preempted:
             self._admit_waiting(out, budget)
@@ -166,35 +174,39 @@ class Scheduler:
                             for s in out.scheduled}  # fmt: skip
         return out
 
-    def _plan_running(self, request: Request, budget: int) -> list[tuple[Sequence, int]]:
-        plan = []
+    def _plan_running(self, request: Request, budget: int, speculate: bool) -> list[_Plan]:
+        """Per live sequence: how many of its tokens run, and the drafts scored after them."""
+        plan: list[_Plan] = []
         for seq in request.live_seqs():
             n = min(seq.num_uncomputed_tokens, budget)
-            plan.append((seq, n))
-            budget -= n
+            drafts = self.proposer.propose(request, seq, n, budget - n) if speculate else []
+            plan.append((seq, n, drafts))
+            budget -= n + len(drafts)
         # Beams advance in lockstep: a beam may reach its last token only if all of them do.
         lockstep = request.is_beam_search and len(plan) > 1
-        if lockstep and not all(n == seq.num_uncomputed_tokens for seq, n in plan):
-            plan = [(seq, min(n, seq.num_uncomputed_tokens - 1)) for seq, n in plan]
+        if lockstep and not all(n == seq.num_uncomputed_tokens for seq, n, _ in plan):
+            plan = [(seq, min(n, seq.num_uncomputed_tokens - 1), []) for seq, n, _ in plan]
         return plan
 
-    def _append_slots(
-        self, plan: list[tuple[Sequence, int]], copies: list[tuple[int, int]]
-    ) -> bool:
+    def _append_slots(self, plan: list[_Plan], copies: list[tuple[int, int]]) -> bool:
         """Reserve slots for every sequence of a running request's plan; False if one does not fit.
+
+        Drafts get slots like any token, but the blocks registered in the prefix cache now are
+        those full of the sequence's own tokens only: a block holding a draft is registered after
+        the verifier accepted it (``RequestLifecycle``), never before.
 
         Copy-on-write copies are appended to ``copies`` as they are decided, even when a later
         sequence of the plan fails: the copied-to block is already in the sequence's table, and a
         retry after a preemption finds it exclusively held and asks for no second copy.
         """
-        for seq, n in plan:
+        for seq, n, drafts in plan:
             if n == 0:
                 continue
-            got = self.kv.append_slots(seq.seq_id, seq.num_computed_tokens, n)
+            got = self.kv.append_slots(seq.seq_id, seq.num_computed_tokens, n + len(drafts))
             if got is None:
                 return False
             copies.extend(got)
-        for seq, n in plan:
+        for seq, n, _ in plan:
             self._cache_blocks(seq, seq.num_computed_tokens + n)
         return True
 
@@ -342,8 +354,8 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, result: SamplingResult) -> list[Request]:
         """Apply one successful step (``RequestLifecycle.apply``); retire the requests whose
         sequences all finished. Returns the requests it touched, finished ones included."""
+        touched = self.lifecycle.apply(out, result)  # registers blocks of accepted drafts too
         self.kv.commit_step()  # the forward wrote this step's K/V: its registrations stand
-        touched = self.lifecycle.apply(out, result)
         for request in touched:
             if not request.is_finished and all(s.is_finished for s in request.seqs):
                 self._retire(request)
@@ -361,6 +373,8 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         del self.requests[request.request_id]
+        if self.proposer is not None:
+            self.proposer.remember(request)  # suffix drafts for the tenant's later requests
 
     # ---- figures -------------------------------------------------------------------------------
 

@@ -9,11 +9,30 @@ from prefixserve.sequence import Request, Sequence
 
 @dataclass(slots=True)
 class ScheduledSeq:
-    """``num_new_tokens`` tokens of ``seq`` run this step, starting at ``seq.num_computed_tokens``."""
+    """``num_new_tokens`` tokens of ``seq`` run this step, starting at ``seq.num_computed_tokens``.
+
+    A speculating sequence (its last token only) also runs ``draft_token_ids`` after it: tokens
+    not in ``seq.token_ids``, whose slots follow the last token's. Its step scores
+    ``1 + len(draft_token_ids)`` rows; the verifier decides how many drafts become tokens::
+
+        positions   ... | last | d0 | d1 | d2 |     (num_query_tokens = 4)
+        row scores        d0     d1   d2   bonus
+    """
 
     request: Request
     seq: Sequence
     num_new_tokens: int
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_query_tokens(self) -> int:
+        """Tokens this step writes K/V for: the scheduled ones plus the drafts."""
+        return self.num_new_tokens + len(self.draft_token_ids)
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Logits rows this step samples from (0 when it does not reach the last token)."""
+        return 1 + len(self.draft_token_ids) if self.samples else 0
 
     @property
     def samples(self) -> bool:

@@ -206,6 +206,16 @@ class KVCacheManager:
                     self._step_blocks.append((block, block_hashes[i]))
         state.num_registered = num_full
 
+    def truncate(self, seq_id: SeqId, num_tokens: int) -> None:
+        """Shrink the table to the blocks holding its first ``num_tokens`` tokens: the blocks past
+        them held only rejected draft tokens (never registered) and go back to the pool."""
+        state = self._require(seq_id)
+        keep = self.get_num_blocks_needed(num_tokens)
+        assert state.num_registered <= keep, f"{seq_id!r}: a registered block would be freed"
+        if len(state.blocks) > keep:
+            self.pool.free(reversed(state.blocks[keep:]))
+            del state.blocks[keep:]
+
     def commit_step(self) -> None:
         """The step's forward wrote its K/V: its registrations stand."""
         self._step_blocks.clear()

@@ -1,0 +1,84 @@
+"""``SpeculativeConfig``: speculative decoding without a draft model, in vLLM's shape.
+
+``LLM(speculative_config={...})`` and ``prefixserve serve --speculative-config '<json>'`` take the
+same dict::
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+
+``method``: ``"ngram"`` (prompt lookup over the request's own prompt and output) or ``"suffix"``
+(the same over the request's own text, plus an index of the last
+``suffix_decoding_max_cached_requests`` outputs of the same tenant: requests with the same
+``cache_salt``, or all unsalted requests; the longer match wins). Both match the sequence's last
+``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens. Each decoding sequence proposes up to
+``num_speculative_tokens`` drafts per step, adapted to its own recent acceptance; the target model
+scores them all in that step's one forward and keeps the longest prefix plain decoding would
+have produced.
+``disable_by_batch_size``: no sequence speculates in a step that starts with at least this many
+running sequences (a large batch is compute-bound: verifying drafts there costs throughput).
+Speculation is off unless a config is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from prefixserve.errors import InvalidArgumentError, require
+
+METHODS = ("ngram", "suffix")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    disable_by_batch_size: int = 32
+    suffix_decoding_max_cached_requests: int = 1000
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str) -> None:
+            value = getattr(self, name)
+            require(
+                isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                f"speculative_config.{name}",
+                f"must be an integer >= 1, got {value!r}",
+            )
+
+        require(
+            self.method in METHODS,
+            "speculative_config.method",
+            f"must be one of {METHODS}, got {self.method!r}",
+        )
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                     "disable_by_batch_size", "suffix_decoding_max_cached_requests"):  # fmt: skip
+            positive_int(name)
+        require(
+            self.prompt_lookup_min <= self.prompt_lookup_max,
+            "speculative_config.prompt_lookup_min",
+            f"must be <= prompt_lookup_max ({self.prompt_lookup_max}), "
+            f"got {self.prompt_lookup_min}",
+        )
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any]) -> SpeculativeConfig:
+        """Validate a user's dict (unknown keys are an error, so a typo is not silently off)."""
+        if not isinstance(options, dict):
+            raise InvalidArgumentError(
+                f"speculative_config: must be a dict, got {type(options).__name__}",
+                "speculative_config",
+            )
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise InvalidArgumentError(
+                f"speculative_config: unknown keys {unknown}; known: {sorted(known)}",
+                "speculative_config",
+            )
+        for name in ("method", "num_speculative_tokens"):
+            if name not in options:
+                raise InvalidArgumentError(
+                    f"speculative_config.{name}: required", f"speculative_config.{name}"
+                )
+        return cls(**options)

@@ -1,0 +1,141 @@
+"""Which draft tokens a decoding sequence proposes this step (the scheduler asks, per sequence).
+
+A sequence speculates when its step reaches its last token (a decode; the last chunk of its
+prompt; the text a grammar forced by jump-forward, which runs as one chunk, so the forced text and
+the drafts after it are scored in the same step), unless it is an n > 1 prompt sequence about to
+fork or the step's batch is at least ``disable_by_batch_size``. Its drafts are capped so that even
+if all are accepted, the bonus token still fits the request's length limit (``max_total_tokens``)
+and the step's token budget. Under a grammar the drafts are cut at the first token the matcher
+refuses, or that would terminate it, and the matcher is rolled back: every draft scored is one the
+grammar allows.
+
+Adaptive k: a sequence starts at ``num_speculative_tokens``; after a verification that accepted
+``a`` of its drafts it proposes at most ``a + 1`` next time (at least as many as before if it
+accepted them all). After ``m`` verifications in a row that accepted nothing it skips the next
+``min(2**(m-1), MAX_BACKOFF_STEPS)`` steps' drafts (its text is not copying anything now), so free
+text pays little for speculation: one draft now and then.
+
+Suffix drafts (``method="suffix"``) also search the recent outputs of the request's tenant
+(``Request.extra_keys``: its ``cache_salt``): one tenant's outputs never draft another's, since
+acceptance (visible as latency) would leak them. At most ``MAX_TENANTS`` tenants are indexed, the
+least recently used forgotten first.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from prefixserve.sequence import Request, Sequence
+from prefixserve.spec_decode.config import SpeculativeConfig
+from prefixserve.spec_decode.metrics import SpecDecodeStats
+from prefixserve.spec_decode.ngram import match_ngram
+from prefixserve.spec_decode.output_index import OutputIndex
+from prefixserve.structured_outputs.grammar import Grammar
+
+MAX_TENANTS = 256
+MAX_BACKOFF_STEPS = 16
+
+
+@dataclass(slots=True)
+class _Adaptive:
+    """One sequence's draft budget: ``k`` drafts at most, none for ``backoff`` more steps."""
+
+    k: int
+    misses: int = 0  # verifications in a row that accepted nothing
+    backoff: int = 0
+
+
+class DraftProposer:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.stats = SpecDecodeStats(config.method)
+        self._adaptive: weakref.WeakKeyDictionary[Sequence, _Adaptive] = weakref.WeakKeyDictionary()
+        self._tenants: OrderedDict[Hashable, OutputIndex] = OrderedDict()
+
+    def is_enabled(self, num_running_seqs: int) -> bool:
+        """Whether sequences speculate in a step that starts with this many running."""
+        return num_running_seqs < self.config.disable_by_batch_size
+
+    def propose(
+        self, request: Request, seq: Sequence, num_new_tokens: int, max_drafts: int
+    ) -> list[int]:
+        """Draft tokens to score after ``seq``'s last token in a step that runs ``num_new_tokens``
+        of its tokens (possibly none)."""
+        reaches_last = num_new_tokens > 0 and num_new_tokens == seq.num_uncomputed_tokens
+        if request.is_beam_search or request.awaits_fork or not reaches_last:
+            return []
+        adaptive = self._adaptive.get(seq)
+        if adaptive is not None and adaptive.backoff > 0:
+            adaptive.backoff -= 1
+            return []
+        k = min(
+            adaptive.k if adaptive is not None else self.config.num_speculative_tokens,
+            max_drafts,
+            request.max_total_tokens - seq.num_tokens - 1,
+        )
+        if k <= 0:
+            return []
+        cfg = self.config
+        n, drafts = match_ngram(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        index = self._tenants.get(request.extra_keys) if cfg.method == "suffix" else None
+        if index is not None:
+            self._tenants.move_to_end(request.extra_keys)
+            tail = seq.token_ids[len(seq.token_ids) - cfg.prompt_lookup_max :]
+            n_global, global_drafts = index.lookup(tail, k)
+            if n_global > n:
+                drafts = global_drafts
+        if drafts and seq.grammar is not None:
+            drafts = _grammar_prefix(seq.grammar, drafts)
+        return drafts
+
+    def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """One verification's outcome (the lifecycle reports it): counters and adaptive k."""
+        self.stats.observe(num_drafts, num_accepted)
+        if num_drafts == 0:
+            return
+        adaptive = self._adaptive.setdefault(seq, _Adaptive(self.config.num_speculative_tokens))
+        k = num_accepted + 1
+        if num_accepted == num_drafts:
+            k = max(k, adaptive.k)
+        adaptive.k = min(k, self.config.num_speculative_tokens)
+        adaptive.misses = adaptive.misses + 1 if num_accepted == 0 else 0
+        if adaptive.misses:
+            adaptive.backoff = min(2 ** (adaptive.misses - 1), MAX_BACKOFF_STEPS)
+
+    def remember(self, request: Request) -> None:
+        """Index a finished request's outputs for its tenant (``method="suffix"`` only)."""
+        if self.config.method != "suffix" or request.error is not None:
+            return
+        key = request.extra_keys
+        index = self._tenants.get(key)
+        if index is None:
+            cfg = self.config
+            index = OutputIndex(
+                cfg.suffix_decoding_max_cached_requests,
+                cfg.prompt_lookup_min,
+                cfg.prompt_lookup_max,
+            )
+            self._tenants[key] = index
+            while len(self._tenants) > MAX_TENANTS:
+                self._tenants.popitem(last=False)
+        self._tenants.move_to_end(key)
+        for seq in request.seqs:
+            index.add(seq.output_token_ids)
+
+
+def _grammar_prefix(grammar: Grammar, drafts: list[int]) -> list[int]:
+    """The longest prefix of ``drafts`` the grammar accepts without terminating; state unchanged."""
+    accepted = 0
+    for token_id in drafts:
+        if not grammar.accept_token(token_id):
+            break
+        accepted += 1
+        if grammar.is_terminated():
+            break
+    terminated = accepted > 0 and grammar.is_terminated()
+    if accepted:
+        grammar.rollback(accepted)
+    return drafts[: accepted - 1 if terminated else accepted]

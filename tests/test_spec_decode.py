@@ -1,0 +1,195 @@
+"""Direct tests of speculative decoding's own decisions: the config, n-gram lookup, which drafts
+a sequence proposes (length, budget, grammar), the counters, and the KV cache's truncation."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixserve.config import EngineConfig
+from prefixserve.errors import InvalidArgumentError
+from prefixserve.kv.kv_cache_manager import KVCacheManager
+from prefixserve.sampling_params import BeamSearchParams, SamplingParams
+from prefixserve.sequence import Request, Sequence
+from prefixserve.spec_decode.config import SpeculativeConfig
+from prefixserve.spec_decode.metrics import SpecDecodeStats
+from prefixserve.spec_decode.ngram import propose_ngram
+from prefixserve.spec_decode.output_index import OutputIndex
+from prefixserve.spec_decode.proposer import DraftProposer, _grammar_prefix
+
+
+def test_config_takes_vllms_dict_and_rejects_mistakes():
+    cfg = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert cfg.speculative_config == SpeculativeConfig("ngram", 3)
+    assert EngineConfig().speculative_config is None  # off by default
+    for bad in (
+        {"method": "eagle", "num_speculative_tokens": 3},
+        {"method": "ngram"},
+        {"method": "ngram", "num_speculative_tokens": 0},
+        {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+         "prompt_lookup_max": 2},
+        {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_mx": 2},
+        "ngram",
+    ):  # fmt: skip
+        with pytest.raises(InvalidArgumentError):
+            EngineConfig(speculative_config=bad)
+
+
+def test_ngram_takes_the_most_recent_longest_match():
+    #        0  1  2  3  4  5  6  7  8  9
+    tokens = [1, 2, 3, 9, 9, 1, 2, 3, 8, 7, 2, 3]
+    assert propose_ngram(tokens, 2, 1, 3) == [8, 7]  # "2 3" last seen at 6, then 8 7
+    assert propose_ngram(tokens, 9, 1, 3) == [8, 7, 2, 3]  # runs to the end
+    assert propose_ngram([1, 2, 3, 4, 3], 2, 1, 1) == [4, 3]
+    assert propose_ngram([5, 6, 7, 8], 3, 1, 3) == []  # no earlier occurrence
+    assert propose_ngram([1, 2, 1, 2], 3, 3, 3) == []  # no 3-gram match
+    assert propose_ngram([1, 2, 1, 2], 0, 1, 3) == []
+
+
+def test_ngram_prefers_longer_matches():
+    tokens = [4, 5, 6, 0, 5, 6, 1, 4, 5, 6]
+    assert propose_ngram(tokens, 1, 1, 3) == [0]  # "4 5 6" at 0 beats "5 6" at 4
+    assert propose_ngram(tokens, 1, 1, 2) == [1]  # only up to 2-grams: the most recent "5 6"
+
+
+def _request(tokens, max_total_tokens=100, params=None, n=1):
+    params = params or SamplingParams(max_tokens=50, n=n)
+    seq = Sequence(index=0, token_ids=list(tokens), num_prompt_tokens=len(tokens))
+    return Request("r", None, list(tokens), params, (), max_total_tokens, seqs=[seq]), seq
+
+
+def test_proposer_caps_drafts_by_length_budget_and_step():
+    proposer = DraftProposer(SpeculativeConfig("ngram", 4, 1, 2))
+    tokens = [1, 2, 3, 4, 5, 6, 7, 1]
+    request, seq = _request(tokens)
+    seq.num_computed_tokens = len(tokens) - 1
+    assert proposer.propose(request, seq, 1, 10) == [2, 3, 4, 5]
+    assert proposer.propose(request, seq, 1, 2) == [2, 3]  # the step's budget
+    assert proposer.propose(request, seq, 0, 10) == []  # the step does not reach the last token
+    request.max_total_tokens = len(tokens) + 3
+    assert proposer.propose(request, seq, 1, 10) == [2, 3]  # room for the bonus token
+    seq.num_computed_tokens = 2  # a prefill chunk that stops short of the last token
+    assert proposer.propose(request, seq, 3, 10) == []
+    assert proposer.propose(request, seq, len(tokens) - 2, 10) == [2, 3]  # the last chunk
+
+
+def test_proposer_skips_forking_prompts_and_beams():
+    proposer = DraftProposer(SpeculativeConfig("ngram", 4, 1, 2))
+    request, seq = _request([1, 2, 1], n=2)
+    assert proposer.propose(request, seq, 3, 10) == []
+    request, seq = _request([1, 2, 1], params=BeamSearchParams(beam_width=2, max_tokens=4))
+    assert proposer.propose(request, seq, 3, 10) == []
+
+
+def test_batch_size_threshold():
+    proposer = DraftProposer(SpeculativeConfig("ngram", 4, disable_by_batch_size=8))
+    assert proposer.is_enabled(7) and not proposer.is_enabled(8)
+
+
+class FakeGrammar:
+    """Accepts tokens < 10; token 5 terminates; records its state for the rollback check."""
+
+    def __init__(self):
+        self.accepted: list[int] = []
+
+    def accept_token(self, token_id):
+        if token_id >= 10 or self.is_terminated():
+            return False
+        self.accepted.append(token_id)
+        return True
+
+    def is_terminated(self):
+        return bool(self.accepted) and self.accepted[-1] == 5
+
+    def rollback(self, n):
+        del self.accepted[len(self.accepted) - n :]
+
+
+def test_grammar_cuts_drafts_and_rolls_back():
+    g = FakeGrammar()
+    g.accepted = [1]
+    assert _grammar_prefix(g, [2, 3, 11, 4]) == [2, 3]  # cut at the refused token
+    assert _grammar_prefix(g, [2, 5, 6]) == [2]  # a terminating draft is not scored
+    assert _grammar_prefix(g, [12]) == []
+    assert g.accepted == [1]  # state unchanged
+
+
+def test_adaptive_k_follows_recent_acceptance():
+    proposer = DraftProposer(SpeculativeConfig("ngram", 5, 1, 2))
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 1]
+    request, seq = _request(tokens)
+    seq.num_computed_tokens = len(tokens) - 1
+    assert len(proposer.propose(request, seq, 1, 10)) == 5
+    proposer.observe(seq, 5, 0)  # all missed: skip one step, then one draft
+    assert proposer.propose(request, seq, 1, 10) == []
+    assert proposer.propose(request, seq, 1, 10) == [2]
+    proposer.observe(seq, 1, 0)  # missed twice in a row: skip two steps
+    assert [proposer.propose(request, seq, 1, 10) for _ in range(3)] == [[], [], [2]]
+    proposer.observe(seq, 1, 1)  # a hit ends the back-off
+    assert proposer.propose(request, seq, 1, 10) == [2, 3]
+    proposer.observe(seq, 2, 0)
+    assert proposer.propose(request, seq, 1, 10) == []
+    assert proposer.propose(request, seq, 1, 10) == [2]
+    proposer.observe(seq, 1, 1)  # all accepted: one more
+    assert proposer.propose(request, seq, 1, 10) == [2, 3]
+    proposer.observe(seq, 2, 2)
+    proposer.observe(seq, 3, 3)
+    proposer.observe(seq, 4, 4)
+    proposer.observe(seq, 5, 5)  # capped at num_speculative_tokens
+    assert len(proposer.propose(request, seq, 1, 10)) == 5
+    proposer.observe(seq, 5, 2)
+    assert len(proposer.propose(request, seq, 1, 10)) == 3
+    other_request, other = _request(tokens)
+    other.num_computed_tokens = len(tokens) - 1
+    assert len(proposer.propose(other_request, other, 1, 10)) == 5  # per sequence
+
+
+def test_output_index_longest_match_and_eviction():
+    index = OutputIndex(max_outputs=2, min_n=1, max_n=3)
+    index.add([1, 2, 3, 4, 5])
+    index.add([9, 2, 3, 7, 8])
+    assert index.lookup([0, 2, 3], 2) == (2, [7, 8])  # the newest "2 3"
+    assert index.lookup([1, 2, 3], 2) == (3, [4, 5])  # "1 2 3" is longer
+    assert index.lookup([6], 2) == (0, [])
+    index.add([5, 6, 7])  # forgets the first output and its n-grams
+    assert len(index) == 2
+    assert index.lookup([1, 2, 3], 2) == (2, [7, 8])  # "2 3" still points at the second
+    assert index.lookup([4], 2) == (0, [])
+    index.add([4])  # too short to hold an n-gram with a continuation
+    assert len(index) == 2
+
+
+def test_suffix_index_is_per_tenant():
+    proposer = DraftProposer(SpeculativeConfig("suffix", 3, 1, 2))
+    done, seq = _request([1, 2])
+    seq.token_ids += [10, 11, 12, 13]
+    done.extra_keys = ("salt-a",)
+    proposer.remember(done)
+    for salt, expected in ((("salt-a",), [12, 13]), (("salt-b",), []), ((), [])):
+        request, seq = _request([7, 10, 11])
+        request.extra_keys = salt
+        seq.num_computed_tokens = 2
+        assert proposer.propose(request, seq, 1, 10) == expected
+
+
+def test_stats_count_verifications_with_drafts():
+    stats = SpecDecodeStats("ngram")
+    stats.observe(4, 3)
+    stats.observe(2, 0)
+    stats.observe(0, 0)  # no drafts: not a verification
+    snap = stats.snapshot()
+    assert (snap["num_drafts"], snap["num_draft_tokens"], snap["num_accepted_tokens"]) == (2, 6, 3)
+    assert snap["acceptance_rate"] == 0.5 and snap["mean_acceptance_length"] == 2.5
+
+
+def test_truncate_frees_blocks_past_the_kept_tokens():
+    kv = KVCacheManager(num_blocks=10, block_size=4, watermark=0.0)
+    hit = kv.lookup([1] * 6, [])
+    assert kv.allocate_for_prompt("s", hit, 6)
+    assert kv.append_slots("s", 6, 7) == []  # the last token + 6 drafts: positions 6..12
+    assert len(kv.get_block_table("s")) == 4
+    free_before = kv.pool.num_free_blocks
+    kv.truncate("s", 8)  # 1 draft accepted: positions 0..7 kept
+    assert len(kv.get_block_table("s")) == 2
+    assert kv.pool.num_free_blocks == free_before + 2
+    kv.truncate("s", 8)  # idempotent
+    assert len(kv.get_block_table("s")) == 2
