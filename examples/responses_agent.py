@@ -13,31 +13,25 @@ from __future__ import annotations
 
 import json
 
-from common import connect, example_parser
+from common import (
+    AGENT_INSTRUCTIONS,
+    FLEET_QUESTION,
+    FLEET_REPORT,
+    connect,
+    example_parser,
+    host_status_tool,
+)
 
-INSTRUCTIONS = "You are an operations agent. Inspect hosts with the tools, then report. " * 2
-TOOLS = [{
-    "type": "function", "name": "host_status", "description": "CPU load and error rate of a host.",
-    "parameters": {"type": "object", "properties": {"host": {"type": "string", "maxLength": 12}},
-                   "required": ["host"], "additionalProperties": False},
-}]  # fmt: skip
-REPORT = {
-    "type": "object",
-    "properties": {
-        "unhealthy": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
-        "summary": {"type": "string", "maxLength": 40},
-    },
-    "required": ["unhealthy", "summary"],
-}
+TOOLS = [host_status_tool(max_host_len=12, responses=True)]
 
 
 def main() -> None:
     parser = example_parser(__doc__)
     parser.add_argument("--turns", type=int, default=4)
     args, client, model = connect(parser)
-    common = dict(model=model, instructions=INSTRUCTIONS, tools=TOOLS, temperature=1.0)
+    common = dict(model=model, instructions=AGENT_INSTRUCTIONS, tools=TOOLS, temperature=1.0)
     response = client.responses.create(
-        input="Which of web-0 .. web-9 is unhealthy?", tool_choice="required",
+        input=FLEET_QUESTION["content"], tool_choice="required",
         parallel_tool_calls=False, max_output_tokens=64, **common,
     )  # fmt: skip
     for turn in range(args.turns):
@@ -55,12 +49,14 @@ def main() -> None:
                     "output": json.dumps(result)}],
             tool_choice="none" if last else "required", parallel_tool_calls=False,
             max_output_tokens=160 if last else 64,
-            text={"format": {"type": "json_schema", "name": "report", "schema": REPORT}},
+            text={"format": {"type": "json_schema", "name": "report", "schema": FLEET_REPORT}},
             **common,
         )  # fmt: skip
     usage = response.usage
-    print(f"report: {response.output_text} "
-          f"(prompt {usage.input_tokens} tokens, cached {usage.input_tokens_details.cached_tokens})")
+    print(
+        f"report: {response.output_text} "
+        f"(prompt {usage.input_tokens} tokens, cached {usage.input_tokens_details.cached_tokens})"
+    )
 
 
 if __name__ == "__main__":

@@ -14,25 +14,23 @@ from __future__ import annotations
 
 import json
 
-from common import FLEET_QUESTION, connect, example_parser, host_status_tool
+from common import (
+    AGENT_INSTRUCTIONS,
+    FLEET_QUESTION,
+    FLEET_REPORT,
+    connect,
+    example_parser,
+    host_status_tool,
+)
 
-SYSTEM = "You are an operations agent. Inspect hosts with the tools, then report. " * 2
 TOOLS = [host_status_tool(max_host_len=12)]
-REPORT = {
-    "type": "object",
-    "properties": {
-        "unhealthy": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
-        "summary": {"type": "string", "maxLength": 40},
-    },
-    "required": ["unhealthy", "summary"],
-}
 
 
 def main() -> None:
     parser = example_parser(__doc__)
     parser.add_argument("--turns", type=int, default=4)
     args, client, model = connect(parser)
-    messages = [{"role": "system", "content": SYSTEM}, FLEET_QUESTION]
+    messages = [{"role": "system", "content": AGENT_INSTRUCTIONS}, FLEET_QUESTION]
     for turn in range(args.turns):
         reply = client.chat.completions.create(
             model=model, messages=messages, tools=TOOLS, tool_choice="required",
@@ -48,7 +46,7 @@ def main() -> None:
         messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
     final = client.chat.completions.create(
         model=model, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=160,
-        response_format={"type": "json_schema", "json_schema": {"name": "report", "schema": REPORT}},
+        response_format={"type": "json_schema", "json_schema": {"name": "report", "schema": FLEET_REPORT}},
     )  # fmt: skip
     report = json.loads(final.choices[0].message.content)
     print(f"report: {json.dumps(report, ensure_ascii=False)} "

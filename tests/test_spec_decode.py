@@ -12,7 +12,7 @@ from prefixserve.sampling_params import BeamSearchParams, SamplingParams
 from prefixserve.sequence import Request, Sequence
 from prefixserve.spec_decode.config import SpeculativeConfig
 from prefixserve.spec_decode.metrics import SpecDecodeStats
-from prefixserve.spec_decode.ngram import propose_ngram
+from prefixserve.spec_decode.ngram import match_ngram
 from prefixserve.spec_decode.output_index import OutputIndex
 from prefixserve.spec_decode.proposer import DraftProposer, _grammar_prefix
 
@@ -37,18 +37,18 @@ def test_config_takes_vllms_dict_and_rejects_mistakes():
 def test_ngram_takes_the_most_recent_longest_match():
     #        0  1  2  3  4  5  6  7  8  9
     tokens = [1, 2, 3, 9, 9, 1, 2, 3, 8, 7, 2, 3]
-    assert propose_ngram(tokens, 2, 1, 3) == [8, 7]  # "2 3" last seen at 6, then 8 7
-    assert propose_ngram(tokens, 9, 1, 3) == [8, 7, 2, 3]  # runs to the end
-    assert propose_ngram([1, 2, 3, 4, 3], 2, 1, 1) == [4, 3]
-    assert propose_ngram([5, 6, 7, 8], 3, 1, 3) == []  # no earlier occurrence
-    assert propose_ngram([1, 2, 1, 2], 3, 3, 3) == []  # no 3-gram match
-    assert propose_ngram([1, 2, 1, 2], 0, 1, 3) == []
+    assert match_ngram(tokens, 2, 1, 3)[1] == [8, 7]  # "2 3" last seen at 6, then 8 7
+    assert match_ngram(tokens, 9, 1, 3)[1] == [8, 7, 2, 3]  # runs to the end
+    assert match_ngram([1, 2, 3, 4, 3], 2, 1, 1)[1] == [4, 3]
+    assert match_ngram([5, 6, 7, 8], 3, 1, 3)[1] == []  # no earlier occurrence
+    assert match_ngram([1, 2, 1, 2], 3, 3, 3)[1] == []  # no 3-gram match
+    assert match_ngram([1, 2, 1, 2], 0, 1, 3)[1] == []
 
 
 def test_ngram_prefers_longer_matches():
     tokens = [4, 5, 6, 0, 5, 6, 1, 4, 5, 6]
-    assert propose_ngram(tokens, 1, 1, 3) == [0]  # "4 5 6" at 0 beats "5 6" at 4
-    assert propose_ngram(tokens, 1, 1, 2) == [1]  # only up to 2-grams: the most recent "5 6"
+    assert match_ngram(tokens, 1, 1, 3)[1] == [0]  # "4 5 6" at 0 beats "5 6" at 4
+    assert match_ngram(tokens, 1, 1, 2)[1] == [1]  # only up to 2-grams: the most recent "5 6"
 
 
 def _request(tokens, max_total_tokens=100, params=None, n=1):

@@ -11,24 +11,10 @@ import jsonschema
 import openai
 import pytest
 from servers import MODEL, launch_server, metric, scrape
+from tool_schemas import ADD, city_schema, weather_and_add_tools
 
-CITY = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 8},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-}
-ADD = {
-    "type": "object",
-    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-    "required": ["a", "b"],
-}
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": CITY}},
-    {"type": "function", "function": {"name": "add", "parameters": ADD}},
-]
+CITY = city_schema(8)
+TOOLS = weather_and_add_tools(CITY)
 SCHEMAS = {"get_weather": CITY, "add": ADD}
 USER = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
 

@@ -19,23 +19,11 @@ import jsonschema
 import pytest
 from prefixserve.api.field_support import refused_fields
 from servers import MODEL, launch_server
+from tool_schemas import ADD, city_schema, weather_and_add_tools
 
-CITY = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 10},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-}
-ADD = {
-    "type": "object",
-    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-    "required": ["a", "b"],
-}
+CITY = city_schema(10)
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": CITY}},
-    {"type": "function", "function": {"name": "add", "parameters": ADD}},
+    *weather_and_add_tools(CITY),
     {"type": "function", "function": {"name": "now", "description": "The time; no arguments."}},
 ]
 SCHEMAS = {"get_weather": CITY, "add": ADD}

@@ -14,13 +14,9 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def propose_ngram(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to ``k`` draft tokens (fewer when the match ends early, none without a match)."""
-    return match_ngram(token_ids, k, min_n, max_n)[1]
-
-
 def match_ngram(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> tuple[int, list[int]]:
-    """(length of the matched n-gram, up to ``k`` tokens that followed it), or (0, [])."""
+    """(length of the matched n-gram, up to ``k`` tokens that followed it: fewer when the match
+    ends early), or (0, []) without a match."""
     num_tokens = len(token_ids)
     if k <= 0 or num_tokens <= min_n:
         return 0, []
