@@ -6,7 +6,7 @@ Anthropic's here: the reply's content blocks, ``stop_reason``, usage in cache te
 event stream::
 
     message_start (usage) -> ping -> per block: content_block_start, content_block_delta*
-    (text_delta | input_json_delta), content_block_stop -> message_delta (stop_reason,
+    (thinking_delta | text_delta | input_json_delta), content_block_stop -> message_delta (stop_reason,
     stop_sequence, final usage) -> message_stop
 
 with a ``ping`` every ``PING_INTERVAL_S`` of silence, and an ``error`` event if it fails midway.
@@ -156,7 +156,8 @@ class MessagesServing:
             reasoning_parser(chat.reasoning_parser, prompt_tail) if chat.reasoning_parser else None
         )
         if req.stream:
-            blocks = BlockEvents(mode, reasoner)
+            blocks = BlockEvents(mode, reasoner, chat.tool_parser, grammar_tools or tools,
+                                 chat_req.parallel_tool_calls)  # fmt: skip
             return self._stream(message_id, model, streams, blocks, len(prompt))
         final = (await chat.collect(raw_request, streams))[0]
         c = final.outputs[0]
