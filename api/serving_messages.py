@@ -15,6 +15,9 @@ its usage already splits the prompt by the cache (Claude Code reads usage there)
 wait it counts the whole prompt as ``input_tokens`` and ``message_delta`` carries the split
 (cumulative totals, as Anthropic's do).
 
+Tool calls are read, and forced calls generated, in ``--tool-call-parser``'s syntax by one reader
+per reply (``tool_call_streams``), streamed and not.
+
 Invariant: the blocks of a stream, concatenated per block, equal the non-streamed content for the
 same output, except that a text block may keep whitespace the non-streamed one strips.
 Whitespace-only text is held back and dropped if a tool call follows it.
