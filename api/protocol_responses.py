@@ -59,10 +59,6 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
         lambda v: v in (None, False),
         "background responses are not supported; send the request and wait, or stream it",
     ),
-    "truncation": (
-        lambda v: v in (None, "disabled"),
-        "'auto' truncation is not supported: a prompt over the context is refused",
-    ),
     "conversation": (_unset, "conversations are not supported; use previous_response_id"),
     "prompt": (_unset, "stored prompt templates are not supported"),
     "reasoning": (

@@ -67,7 +67,7 @@ class ResponseTurn:
             "store": req.store, "temperature": 1.0 if req.temperature is None else req.temperature,
             "text": {"format": self.fmt}, "tool_choice": req.tool_choice,
             "tools": req.tools or [], "top_logprobs": req.top_logprobs or 0,
-            "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled",
+            "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": req.truncation or "disabled",
             "usage": usage, "user": req.user, "metadata": req.metadata or {}, **extra,
         }  # fmt: skip
 

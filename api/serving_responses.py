@@ -35,6 +35,7 @@ from prefixserve.api.responses_continuation import Prompt, continue_prompt, rend
 from prefixserve.api.responses_items import chat_tools, normalize_input, strict_names, to_messages
 from prefixserve.api.responses_output import ResponseOutput
 from prefixserve.api.responses_store import Chain, ResponseStore, StoredResponse, tenant_of
+from prefixserve.api.responses_truncation import truncate
 from prefixserve.api.responses_turn import LOGPROBS, ResponseTurn
 from prefixserve.api.serving_base import BaseServing
 from prefixserve.api.serving_chat import ToolMode
@@ -49,7 +50,9 @@ from prefixserve.structured_outputs.tool_calls import optional_tool_call_params,
 
 class ResponsesServing(BaseServing):
     """``continuations`` counts requests that named a previous response, by how their prompt was
-    built: ``token_exact`` (spliced) or ``rerendered`` (the template rewrote history)."""
+    built: ``token_exact`` (spliced), ``rerendered`` (the template rewrote history) or
+    ``truncated`` (``truncation: "auto"`` dropped old turns); ``truncations`` counts every
+    request that lost turns so."""
 
     def __init__(
         self,
@@ -67,7 +70,8 @@ class ResponsesServing(BaseServing):
         self.reasoning_parser = reasoning_parser
         self.store = store
         self.content_format = content_format
-        self.continuations = {"token_exact": 0, "rerendered": 0}
+        self.continuations = {"token_exact": 0, "rerendered": 0, "truncated": 0}
+        self.truncations = 0
         texts = {engine.tokenizer.decode([t]) for t in engine.eos_token_ids} - {""}
         self.eos_texts = tuple(sorted(texts, key=len, reverse=True))
 
@@ -76,6 +80,8 @@ class ResponsesServing(BaseServing):
         return {
             "responses_continuations_token_exact": self.continuations["token_exact"],
             "responses_continuations_rerendered": self.continuations["rerendered"],
+            "responses_continuations_truncated": self.continuations["truncated"],
+            "responses_truncations": self.truncations,
             "responses_store_entries": len(self.store),
             "responses_store_bytes": self.store.nbytes,
             "responses_store_evictions": self.store.evictions,
@@ -149,12 +155,16 @@ class ResponsesServing(BaseServing):
         history = prev.items + prev.output_items if prev else []
         tools, namespaces = chat_tools(req.tools)
         mode = self._tool_mode(req, tools)
-        prompt = await asyncio.to_thread(self._prompt, req, prev, history + new_items, tools)
+        prompt, items = await asyncio.to_thread(self._fitted_prompt, req, prev,
+                                                history + new_items, tools)  # fmt: skip
         prompt_tail = self.engine.tokenizer.decode(prompt.token_ids[-32:])  # where reasoning stands
         structured, source = self._structured_outputs(req, tools, mode, prompt_tail)
         fmt = (req.text or {}).get("format") or {"type": "text"}
+        truncated = len(items) < len(history) + len(new_items)
+        self.truncations += truncated
         if prev is not None:
-            self.continuations["token_exact" if prompt.token_exact else "rerendered"] += 1
+            kind = "token_exact" if prompt.token_exact else "rerendered"
+            self.continuations["truncated" if truncated else kind] += 1
         logprobs = (req.top_logprobs or 0) if LOGPROBS in (req.include or []) else None
         sampling = _SamplingFields(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                                    cache_salt=req.cache_salt)  # fmt: skip
@@ -172,13 +182,26 @@ class ResponsesServing(BaseServing):
             return ResponseOutput(mode, LOGPROBS in (req.include or []), namespaces,
                                   self.tool_parser, tools, reasoner)  # fmt: skip
 
-        turn = ResponseTurn(self, req, response_id, model, (tenant, chain), history + new_items,
-                            prompt, (mode, fmt, new_output))  # fmt: skip
+        turn = ResponseTurn(self, req, response_id, model, (tenant, chain), items, prompt,
+                            (mode, fmt, new_output))  # fmt: skip
         return turn, streams
 
     def reasoning_tokens(self, token_ids: list[int], reasoning: str | None) -> int:
         """How many of an output's tokens are reasoning (``output_tokens_details``)."""
         return count_reasoning_tokens(self.engine.tokenizer, token_ids, reasoning)
+
+    def _fitted_prompt(self, req: ResponsesRequest, prev: StoredResponse | None,
+                       items: list[dict], tools: list[dict] | None) -> tuple[Prompt, list[dict]]:  # fmt: skip
+        """(the prompt, the items it renders): with ``truncation: "auto"``, a prompt over the
+        context (with room for ``max_output_tokens``) loses its oldest turns
+        (``responses_truncation``), and is then a full rendering."""
+        prompt = self._prompt(req, prev, items, tools)
+        room = self.engine.max_model_len - (req.max_output_tokens or 1)
+        if req.truncation != "auto" or len(prompt.token_ids) <= room:
+            return prompt, items
+        cut = truncate(items, lambda kept: self._prompt(req, None, kept, tools),
+                       lambda p: len(p.token_ids) <= room)  # fmt: skip
+        return cut if cut is not None else (prompt, items)
 
     def _prompt(self, req: ResponsesRequest, prev: StoredResponse | None,
                 items: list[dict], tools: list[dict] | None) -> Prompt:  # fmt: skip
