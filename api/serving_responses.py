@@ -279,7 +279,7 @@ class ResponsesServing(BaseServing):
             if kind == "json_schema" and isinstance(fmt.get("schema"), (dict, bool)):
                 return StructuredOutputsParams(json=fmt["schema"], reasoning=reasoning), "text"
             strict = strict_names(req.tools)
-            hermes = self.forced_syntax == "hermes"
+            hermes = self.tool_parser == "hermes"
             if kind == "text" and mode is ToolMode.AUTO and strict and hermes:
                 params = optional_tool_call_params(tools or [], strict, req.parallel_tool_calls)
                 return dataclasses.replace(params, reasoning=reasoning), "tools"

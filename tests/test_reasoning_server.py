@@ -166,3 +166,16 @@ def test_r1_responses_continue_after_reasoning(r1):
     assert second.output[0].type == "reasoning"
     kinds = ("responses_continuations_token_exact", "responses_continuations_rerendered")
     assert sum(after[k] - before[k] for k in kinds) == 1
+
+
+def test_qwen3_responses_grammars_compile_after_the_reasoning(qwen3):
+    """Responses with a reasoning parser: a strict tool under ``auto`` and a forced call are
+    grammars that start after the reasoning block (Qwen3 opens ``<think>`` itself here)."""
+    client, _ = qwen3
+    tools = [{"type": "function", "name": "pick", "parameters": PICK, "strict": True}]
+    for choice in ("auto", "required"):
+        r = client.responses.create(model="m", input="Is 7 prime?", tools=tools,
+                                    tool_choice=choice, max_output_tokens=12, temperature=1.0,
+                                    extra_body={"seed": 3})  # fmt: skip
+        assert r.output and r.output[0].type == "reasoning"  # the grammar opened the block
+        assert r.usage.output_tokens_details.reasoning_tokens > 0
