@@ -325,7 +325,7 @@ def test_truncation_auto_drops_the_oldest_turns(server, client):
     items = client.responses.input_items.list(first.id, order="asc", limit=100).data
     texts = [item.content[0].text for item in items]
     assert 0 < len(texts) < len(turns) and items[0].role == "user"
-    assert texts == [t["content"] for t in turns[-len(texts):]]
+    assert texts == [t["content"] for t in turns[-len(texts) :]]
     assert len(texts) == len(turns) - 2  # only the first turn had to go
     more = client.responses.create(model=MODEL, previous_response_id=first.id, truncation="auto",
                                    input="next: " + "lorem ipsum " * 30, max_output_tokens=8,
