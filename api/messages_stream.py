@@ -6,10 +6,12 @@
 (``--reasoning-parser``), the reasoning comes first as a ``thinking`` block (``thinking_delta``). At most one block is open;
 a block is closed before the next one starts and, on the final feed, before the message ends.
 
-How calls are found depends on the chat ``ToolMode``: none (all text); hermes ``<tool_call>``
-blocks in free text (``auto``: each call arrives whole, its arguments in one delta); or forced
-calls (``required`` / named: the name first, then argument fragments as generated, never
-re-serialized). Whitespace-only text is held until non-whitespace text follows (then sent with
+How calls are found depends on the chat ``ToolMode``, read by ``tool_call_streams.call_stream``
+in ``tool_parser``'s syntax (hermes when None): none (all text); calls in free text (``auto``);
+or forced calls (``required`` / named). Each call arrives whole once complete: a ``tool_use``
+block start (its id and name), then its arguments in one ``input_json_delta``, as generated,
+never re-serialized; a call whose arguments are not a JSON object is shown as text. Without
+``parallel`` only the first call is kept (as the non-streamed reply). Whitespace-only text is held until non-whitespace text follows (then sent with
 it) or a call starts (then dropped); on the final feed of a reply without calls it is sent.
 """
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 import json
 
 from prefixserve.api.serving_chat import ToolMode
-from prefixserve.api.tool_parsers import ForcedToolCallDeltas, HermesStreamParser
+from prefixserve.api.tool_call_streams import call_stream
 
 Event = tuple[str, dict]
 
@@ -38,16 +40,20 @@ def unparsed_call_text(name: str, arguments: str) -> str:
 
 
 class BlockEvents:
-    def __init__(self, mode: ToolMode, reasoner=None) -> None:
+    def __init__(
+        self,
+        mode: ToolMode,
+        reasoner=None,
+        tool_parser: str | None = None,
+        tools: list[dict] | None = None,
+        parallel: bool = True,
+    ) -> None:
         self.mode = mode
         self.reasoner = reasoner  # a reasoning_parsers stream parser, or None
-        self.forced = mode in (ToolMode.REQUIRED, ToolMode.NAMED)
-        self.parser: ForcedToolCallDeltas | HermesStreamParser | None = None
-        if self.forced:
-            self.parser = ForcedToolCallDeltas()
-        elif mode is ToolMode.AUTO:
-            self.parser = HermesStreamParser()
+        self.calls = call_stream(mode, tool_parser, tools)
+        self.parallel = parallel
         self.has_calls = False
+        self._num_calls = 0  # calls read, kept or not
         self._count = 0  # blocks started
         self._open: str | None = None  # type of the open block
         self._held = ""
@@ -60,15 +66,13 @@ class BlockEvents:
                 if self._open != "thinking":
                     self._open_block({"type": "thinking", "thinking": "", "signature": ""}, events)
                 self._delta({"type": "thinking_delta", "thinking": reasoning}, events)
-        if isinstance(self.parser, ForcedToolCallDeltas):
-            for entry in self.parser.feed(text):
-                if "id" in entry:
-                    self._start_tool(entry["id"], entry["function"]["name"], events)
-                self._json(entry["function"]["arguments"], events)
-        elif isinstance(self.parser, HermesStreamParser):
-            content, calls = self.parser.feed(text, final=final)
+        if self.calls is not None:
+            content, calls = self.calls.feed(text, final=final)
             self._text(content, events)
             for call in calls:
+                self._num_calls += 1
+                if not self.parallel and self._num_calls > 1:
+                    continue
                 name, arguments = call.function.name, call.function.arguments
                 if tool_input(arguments) is None:
                     self._text(unparsed_call_text(name, arguments), events)

@@ -59,16 +59,12 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
         lambda v: v in (None, False),
         "background responses are not supported; send the request and wait, or stream it",
     ),
-    "truncation": (
-        lambda v: v in (None, "disabled"),
-        "'auto' truncation is not supported: a prompt over the context is refused",
-    ),
     "conversation": (_unset, "conversations are not supported; use previous_response_id"),
     "prompt": (_unset, "stored prompt templates are not supported"),
     "reasoning": (
         lambda v: v is None or (isinstance(v, dict) and v.get("effort") in (None, "none")),
-        "reasoning.effort is not controllable here (a summary is accepted: this server writes "
-        "no reasoning items to summarize)",
+        "reasoning.effort is not controllable here (a summary is accepted; none is written: "
+        "with --reasoning-parser the reasoning comes whole, as reasoning_text content)",
     ),
     "max_tool_calls": (_unset, "max_tool_calls is not supported"),
     "context_management": (_unset, "context management (compaction) is not supported"),

@@ -111,6 +111,14 @@ def reasoning_ahead(name: str, prompt: str) -> bool:
     return not prompt.rstrip().endswith(THINK_END)
 
 
+def reasoning_tags(name: str | None, prompt: str) -> tuple[str, str] | None:
+    """``StructuredOutputsParams.reasoning`` for an output of ``prompt`` under the parser
+    ``name``: (the tag the model opens, the tag that closes), None when no reasoning comes."""
+    if name is None or not reasoning_ahead(name, prompt):
+        return None
+    return ("" if starts_in_reasoning(name, prompt) else THINK_START), THINK_END
+
+
 def reasoning_parser(name: str, prompt: str) -> ThinkReasoningParser:
     """A parser for one output of ``prompt`` (the rendered prompt text)."""
     return ThinkReasoningParser(starts_in_reasoning(name, prompt))

@@ -8,7 +8,11 @@ and given ids (``normalize_input``), then turned into the chat messages the temp
     function_call (after an assistant message, or alone) -> that assistant message's tool_calls
     function_call_output                               -> {"role": "tool", "tool_call_id", "content"}
     reasoning                                          -> "reasoning_content" of the next assistant
-                                                          message (templates that show it use it)
+                                                          message (templates that show it use it);
+                                                          reasoning that no assistant content or
+                                                          call follows (an output that only
+                                                          reasoned) is an assistant message of its
+                                                          own, with content ""
 
 Consecutive assistant content and function calls form one assistant message, as the model wrote
 them in one turn; so a response's own output items render back into the text it generated, and a
@@ -112,11 +116,16 @@ def to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             parts = (item.get("content") or []) + (item.get("summary") or [])
             reasoning.append(_text_of(i, parts, "reasoning"))
             continue
+        role = {"function_call": "assistant", "function_call_output": "tool"}.get(kind)
+        role = role or _ROLES[item["role"]]
+        if reasoning and role != "assistant":  # the turn that reasoned wrote nothing more
+            messages.append({"role": "assistant", "content": "",
+                             "reasoning_content": "\n".join(reasoning)})  # fmt: skip
+            reasoning = []
         if kind == "function_call_output":
             text = _text_of(i, item["output"], "output")
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
             continue
-        role = "assistant" if kind == "function_call" else _ROLES[item["role"]]
         last = messages[-1] if messages else None
         if role == "assistant" and not (last and last["role"] == "assistant" and
                                         kind == "function_call"):  # fmt: skip

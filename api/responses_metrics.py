@@ -1,5 +1,5 @@
 """Prometheus figures of the Responses front, read at scrape time from its live objects:
-continuations by how their prompt was built, and the store's size and evictions."""
+continuations by how their prompt was built, truncations, and the store's size and evictions."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ class ResponsesCollector(Collector):
         continuations = CounterMetricFamily(
             "prefixserve_responses_continuations",
             "Responses requests with previous_response_id, by prompt: token_exact (the stored "
-            "ids spliced) or rerendered (the template rewrote history).",
+            "ids spliced), rerendered (the template rewrote history) or truncated (truncation "
+            "'auto' dropped old turns: a full rendering).",
             labels=["model_name", "kind"],
         )
         for kind, count in self.serving.continuations.items():
@@ -33,6 +34,13 @@ class ResponsesCollector(Collector):
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric(label, value)
             yield gauge
+        truncations = CounterMetricFamily(
+            "prefixserve_responses_truncations",
+            "Responses requests whose input lost its oldest turns to truncation 'auto'.",
+            labels=["model_name"],
+        )
+        truncations.add_metric(label, self.serving.truncations)
+        yield truncations
         evictions = CounterMetricFamily(
             "prefixserve_responses_store_evictions",
             "Stored responses dropped for the store's entry, byte or age limit.",

@@ -1,6 +1,8 @@
 """A response's output items, built from the model's text as it grows, with the typed stream
 events that announce them, in OpenAI's order::
 
+    reasoning:      output_item.added, content_part.added, reasoning_text.delta*,
+                    reasoning_text.done, content_part.done, output_item.done
     message:        output_item.added, content_part.added, output_text.delta*,
                     output_text.done, content_part.done, output_item.done
     function_call:  output_item.added, function_call_arguments.delta*,
@@ -12,12 +14,18 @@ whole text once and ignores the events, so both paths build the same items. Inva
 deltas of an item concatenate to its final text or ``arguments``; every item added is done
 exactly once; events carry no ``sequence_number`` (the stream numbers them).
 
-How text becomes items depends on the tool mode (``ToolMode`` of the chat endpoint): plain text
-is one message (``namespaces``: the namespace a function's calls name); forced calls
-(``required`` / a named function) are read with the grammar's own syntax and each emitted whole
-once complete, so a call cut off by ``max_output_tokens`` is neither streamed nor returned (as
-chat completions); ``auto`` calls are parsed from the text (hermes), each emitted whole once its
-closing tag arrives, with the text around them as messages.
+With a reasoning parser (``reasoner``, ``--reasoning-parser``) the reasoning block comes first,
+as one ``reasoning`` item (``summary`` [], its text in one ``reasoning_text`` part), closed when
+the answer starts; logprobs ride on the answer's text only.
+
+How the rest becomes items depends on the tool mode (``ToolMode`` of the chat endpoint), read by
+``tool_call_streams.call_stream`` in ``tool_parser``'s syntax (hermes when None): plain text is
+one message; forced calls (``required`` / a named function) are read in the forced syntax and each emitted whole once complete, so a call cut off by
+``max_output_tokens`` is neither streamed nor returned (as chat completions); ``auto`` calls are
+parsed from the text, each emitted whole once complete, with the text around them as messages
+(whitespace-only text before a call is dropped). A call's ``call_id`` is the parser's id (Mistral
+templates need the 9-character one the model wrote); ``namespaces``: the namespace a function's
+calls name.
 """
 
 from __future__ import annotations
@@ -25,24 +33,31 @@ from __future__ import annotations
 from typing import Any
 
 from prefixserve.api.protocol import random_id
+from prefixserve.api.reasoning_parsers import ThinkReasoningParser
 from prefixserve.api.serving_chat import ToolMode
-from prefixserve.api.tool_parsers import HermesStreamParser, parse_forced_tool_calls
+from prefixserve.api.tool_call_streams import call_stream
 
 
 class ResponseOutput:
     def __init__(
-        self, mode: ToolMode, with_logprobs: bool = False, namespaces: dict[str, str] | None = None
+        self,
+        mode: ToolMode,
+        with_logprobs: bool = False,
+        namespaces: dict[str, str] | None = None,
+        tool_parser: str | None = None,
+        tools: list[dict] | None = None,
+        reasoner: ThinkReasoningParser | None = None,
     ) -> None:
         self.mode = mode
         self.namespaces = namespaces or {}
         self.items: list[dict[str, Any]] = []
         self.with_logprobs = with_logprobs
+        self._calls = call_stream(mode, tool_parser, tools)
+        self._reasoner = reasoner
+        self._thinking: dict[str, Any] | None = None  # the open reasoning item
         self._message: dict[str, Any] | None = None  # the open message item
         self._call: dict[str, Any] | None = None  # the open function call
-        forced = mode in (ToolMode.REQUIRED, ToolMode.NAMED)
-        self._forced: list[str] | None = [] if forced else None  # forced text so far
-        self._num_forced = 0  # forced calls emitted
-        self._hermes = HermesStreamParser() if mode is ToolMode.AUTO else None
+        self._held = ""  # whitespace-only text before a call may come (tool modes)
 
     @property
     def text(self) -> str:
@@ -52,36 +67,78 @@ class ResponseOutput:
             for part in item["content"]
         )  # fmt: skip
 
+    @property
+    def reasoning(self) -> str | None:
+        """The reasoning text; None when the output has no reasoning block."""
+        if self._reasoner is None or not self._reasoner.has_reasoning:
+            return None
+        items = [item for item in self.items if item["type"] == "reasoning"]
+        return items[0]["content"][0]["text"] if items else ""
+
     def feed(
         self, text: str, logprobs: list[dict] | None = None, final: bool = False
     ) -> list[dict]:
         """Events for the next ``text`` (``final``: no more text will come)."""
-        if self._forced is not None:
-            return self._feed_forced(text)
-        if self._hermes is None:
-            return self._text(text, logprobs) if text or logprobs else []
-        content, calls = self._hermes.feed(text, final=final)
-        events = self._text(content, None) if content else []
+        events: list[dict] = []
+        if self._reasoner is not None:
+            reasoning, text = self._reasoner.feed(text, final=final)
+            if reasoning:
+                events += self._reasoning_text(reasoning)
+            if text:
+                events += self._close_reasoning("completed")
+            else:
+                logprobs = None  # the tokens were reasoning
+        if self._calls is None:
+            return events + (self._text(text, logprobs) if text or logprobs else [])
+        content, calls = self._calls.feed(text, final=final)
+        if self._message is None and not content.strip():
+            self._held += content
+            content = ""
+        else:
+            content, self._held = self._held + content, ""
+        if calls:
+            self._held = ""
+        elif final and self._held and not self._calls.has_calls:
+            content, self._held = self._held, ""
+        events += self._text(content, None) if content else []
         for call in calls:
             events += self._close_message("completed")
-            events += self._add_call(call.function.name)
+            events += self._add_call(call.function.name, call.id)
             events += self._call_arguments(call.function.arguments)
             events += self._close_call("completed")
         return events
 
     def finish(self, status: str) -> list[dict]:
         """Close the open items with ``status`` ("completed" or "incomplete")."""
-        return self._close_message(status) + self._close_call(status)
+        return (
+            self._close_reasoning(status) + self._close_message(status) + self._close_call(status)
+        )
 
-    def _feed_forced(self, text: str) -> list[dict]:
-        self._forced.append(text)
+    def _reasoning_text(self, text: str) -> list[dict]:
         events: list[dict] = []
-        for call in parse_forced_tool_calls("".join(self._forced))[self._num_forced :]:
-            events += self._add_call(call.function.name)
-            events += self._call_arguments(call.function.arguments)
-            events += self._close_call("completed")
-            self._num_forced += 1
-        return events
+        if self._thinking is None:
+            self._thinking = {"id": random_id("rs_"), "type": "reasoning", "status": "in_progress",
+                              "summary": [], "content": []}  # fmt: skip
+            part = {"type": "reasoning_text", "text": ""}
+            events.append(self._added(self._thinking))
+            events.append({"type": "response.content_part.added", **self._at(self._thinking),
+                           "content_index": 0, "part": dict(part)})  # fmt: skip
+            self._thinking["content"].append(part)
+        self._thinking["content"][0]["text"] += text
+        delta = {"type": "response.reasoning_text.delta", **self._at(self._thinking),
+                 "content_index": 0, "delta": text}  # fmt: skip
+        return [*events, delta]
+
+    def _close_reasoning(self, status: str) -> list[dict]:
+        item, self._thinking = self._thinking, None
+        if item is None:
+            return []
+        part, at = item["content"][0], self._at(item)
+        item["status"] = status
+        done = {"type": "response.reasoning_text.done", **at, "content_index": 0,
+                "text": part["text"]}  # fmt: skip
+        return [done, {"type": "response.content_part.done", **at, "content_index": 0,
+                       "part": dict(part)}, self._done(item)]  # fmt: skip
 
     def _text(self, text: str, logprobs: list[dict] | None) -> list[dict]:
         events: list[dict] = []
@@ -114,9 +171,9 @@ class ResponseOutput:
         return [done, {"type": "response.content_part.done", **at, "content_index": 0,
                        "part": part}, self._done(item)]  # fmt: skip
 
-    def _add_call(self, name: str) -> list[dict]:
+    def _add_call(self, name: str, call_id: str) -> list[dict]:
         self._call = {"id": random_id("fc_"), "type": "function_call", "status": "in_progress",
-                      "call_id": random_id("call_"), "name": name, "arguments": ""}  # fmt: skip
+                      "call_id": call_id, "name": name, "arguments": ""}  # fmt: skip
         if name in self.namespaces:
             self._call["namespace"] = self.namespaces[name]
         return [self._added(self._call)]

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from array import array
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from prefixserve.api.async_engine import RequestStream
@@ -37,23 +37,20 @@ LOGPROBS = "message.output_text.logprobs"
 
 class ResponseTurn:
     """One request's response: its body at each stage, its stream, and what the store keeps.
-    ``shape``: (tool mode, ``text.format``, {function name: namespace})."""
+    ``shape``: (tool mode, ``text.format``, a maker of the output's fresh ``ResponseOutput``)."""
 
     def __init__(self, serving: ResponsesServing, req: ResponsesRequest, response_id: str,
                  model: str, owner: tuple[str, Chain | None], items: list[dict], prompt: Prompt,
-                 shape: tuple[ToolMode, dict, dict[str, str]]) -> None:  # fmt: skip
+                 shape: tuple[ToolMode, dict, Callable[[], ResponseOutput]]) -> None:  # fmt: skip
         self.serving, self.req, self.id, self.model = serving, req, response_id, model
         self.tenant, self.chain = owner
         self.items, self.prompt = items, prompt
-        self.mode, self.fmt, self.namespaces = shape
+        self.mode, self.fmt, self.output = shape
         self.created_at = int(time.time())
 
     def status(self, c: CompletionOutput) -> str:
         """ "incomplete" when the output hit ``max_output_tokens`` (a warm-up is complete)."""
         return "incomplete" if c.finish_reason == "length" and self.req.generate else "completed"
-
-    def output(self) -> ResponseOutput:
-        return ResponseOutput(self.mode, LOGPROBS in (self.req.include or []), self.namespaces)
 
     def body(self, status: str, output: list[dict], usage: dict | None = None,
              **extra: Any) -> dict:  # fmt: skip
@@ -70,7 +67,7 @@ class ResponseTurn:
             "store": req.store, "temperature": 1.0 if req.temperature is None else req.temperature,
             "text": {"format": self.fmt}, "tool_choice": req.tool_choice,
             "tools": req.tools or [], "top_logprobs": req.top_logprobs or 0,
-            "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled",
+            "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": req.truncation or "disabled",
             "usage": usage, "user": req.user, "metadata": req.metadata or {}, **extra,
         }  # fmt: skip
 
@@ -84,7 +81,8 @@ class ResponseTurn:
         else:
             extra["completed_at"] = int(time.time())
         generated = c.token_ids if self.req.generate else []
-        body = self.body(status, output.items, _usage(final, len(generated)), **extra)
+        reasoning = self.serving.reasoning_tokens(generated, output.reasoning)
+        body = self.body(status, output.items, _usage(final, len(generated), reasoning), **extra)
         if self.req.store or self.chain is not None:
             entry = StoredResponse(
                 response=body, items=self.items, output_items=output.items,
@@ -145,12 +143,12 @@ class ResponseTurn:
                 "response": self.body("failed", output.items, error=error)}  # fmt: skip
 
 
-def _usage(final: RequestOutput, generated: int) -> dict:
+def _usage(final: RequestOutput, generated: int, reasoning: int) -> dict:
     prompt = len(final.prompt_token_ids)
     return {
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
         "output_tokens": generated,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": prompt + generated,
     }

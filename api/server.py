@@ -305,7 +305,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     )
     responses = ResponsesServing(
         engine, names, config.tool_call_parser, store, config.chat_template_content_format,
-        **options,
+        reasoning_parser=config.reasoning_parser, **options,
     )  # fmt: skip
     messages = MessagesServing(
         chat, config.drop_attribution_header, config.messages_force_tool_call

@@ -6,7 +6,7 @@ Anthropic's here: the reply's content blocks, ``stop_reason``, usage in cache te
 event stream::
 
     message_start (usage) -> ping -> per block: content_block_start, content_block_delta*
-    (text_delta | input_json_delta), content_block_stop -> message_delta (stop_reason,
+    (thinking_delta | text_delta | input_json_delta), content_block_stop -> message_delta (stop_reason,
     stop_sequence, final usage) -> message_stop
 
 with a ``ping`` every ``PING_INTERVAL_S`` of silence, and an ``error`` event if it fails midway.
@@ -14,6 +14,9 @@ with a ``ping`` every ``PING_INTERVAL_S`` of silence, and an ``error`` event if 
 its usage already splits the prompt by the cache (Claude Code reads usage there); after a longer
 wait it counts the whole prompt as ``input_tokens`` and ``message_delta`` carries the split
 (cumulative totals, as Anthropic's do).
+
+Tool calls are read, and forced calls generated, in ``--tool-call-parser``'s syntax by one reader
+per reply (``tool_call_streams``), streamed and not.
 
 Invariant: the blocks of a stream, concatenated per block, equal the non-streamed content for the
 same output, except that a text block may keep whitespace the non-streamed one strips.
@@ -156,7 +159,8 @@ class MessagesServing:
             reasoning_parser(chat.reasoning_parser, prompt_tail) if chat.reasoning_parser else None
         )
         if req.stream:
-            blocks = BlockEvents(mode, reasoner)
+            blocks = BlockEvents(mode, reasoner, chat.tool_parser, grammar_tools or tools,
+                                 chat_req.parallel_tool_calls)  # fmt: skip
             return self._stream(message_id, model, streams, blocks, len(prompt))
         final = (await chat.collect(raw_request, streams))[0]
         c = final.outputs[0]

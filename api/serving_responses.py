@@ -3,8 +3,11 @@ input_items of /v1/responses/{id}.
 
 A request becomes one engine request through the chat endpoint's machinery: its items become
 chat messages (``responses_items``), rendered by the chat template with its function tools;
-``tool_choice`` picks the chat endpoint's ``ToolMode`` (forced calls are grammar-constrained to
-each tool's ``parameters``); ``text.format`` is a structured output. With
+``tool_choice`` picks the chat endpoint's ``ToolMode``; calls are read, and forced calls
+generated (grammar-constrained to each tool's ``parameters``), in ``--tool-call-parser``'s syntax
+as chat completions does (``tool_call_streams``); ``text.format`` is a structured output. With
+``--reasoning-parser`` the reasoning block becomes a ``reasoning`` output item, and grammars and
+forced calls apply after it. With
 ``previous_response_id`` the prompt is the stored response's own token ids plus the new items'
 tokens, verified against the template (``responses_continuation``). Output text becomes typed
 output items and stream events (``responses_output``) in one ``ResponseTurn``.
@@ -17,17 +20,26 @@ a client may continue it at once. Everything is keyed by tenant (``tenant_of``: 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from fastapi import Request
 from prefixserve.api.async_engine import AsyncEngine, RequestStream
 from prefixserve.api.protocol import APIError, _SamplingFields, random_id
 from prefixserve.api.protocol_responses import ResponsesRequest, check_supported
+from prefixserve.api.reasoning_parsers import (
+    count_reasoning_tokens,
+    reasoning_parser,
+    reasoning_tags,
+)
 from prefixserve.api.responses_continuation import Prompt, continue_prompt, render_prompt
 from prefixserve.api.responses_items import chat_tools, normalize_input, strict_names, to_messages
+from prefixserve.api.responses_output import ResponseOutput
 from prefixserve.api.responses_store import Chain, ResponseStore, StoredResponse, tenant_of
+from prefixserve.api.responses_truncation import truncate
 from prefixserve.api.responses_turn import LOGPROBS, ResponseTurn
 from prefixserve.api.serving_base import BaseServing
 from prefixserve.api.serving_chat import ToolMode
+from prefixserve.api.tool_call_streams import forced_syntax
 
 from prefixserve.chat_template import render_chat_text
 from prefixserve.errors import InvalidArgumentError
@@ -38,7 +50,9 @@ from prefixserve.structured_outputs.tool_calls import optional_tool_call_params,
 
 class ResponsesServing(BaseServing):
     """``continuations`` counts requests that named a previous response, by how their prompt was
-    built: ``token_exact`` (spliced) or ``rerendered`` (the template rewrote history)."""
+    built: ``token_exact`` (spliced), ``rerendered`` (the template rewrote history) or
+    ``truncated`` (``truncation: "auto"`` dropped old turns); ``truncations`` counts every
+    request that lost turns so."""
 
     def __init__(
         self,
@@ -47,13 +61,17 @@ class ResponsesServing(BaseServing):
         tool_parser: str | None,
         store: ResponseStore,
         content_format: str = "auto",
+        reasoning_parser: str | None = None,
         **options,
     ) -> None:
         super().__init__(engine, served_model_names, **options)
         self.tool_parser = tool_parser
+        self.forced_syntax = forced_syntax(tool_parser)
+        self.reasoning_parser = reasoning_parser
         self.store = store
         self.content_format = content_format
-        self.continuations = {"token_exact": 0, "rerendered": 0}
+        self.continuations = {"token_exact": 0, "rerendered": 0, "truncated": 0}
+        self.truncations = 0
         texts = {engine.tokenizer.decode([t]) for t in engine.eos_token_ids} - {""}
         self.eos_texts = tuple(sorted(texts, key=len, reverse=True))
 
@@ -62,6 +80,8 @@ class ResponsesServing(BaseServing):
         return {
             "responses_continuations_token_exact": self.continuations["token_exact"],
             "responses_continuations_rerendered": self.continuations["rerendered"],
+            "responses_continuations_truncated": self.continuations["truncated"],
+            "responses_truncations": self.truncations,
             "responses_store_entries": len(self.store),
             "responses_store_bytes": self.store.nbytes,
             "responses_store_evictions": self.store.evictions,
@@ -135,11 +155,16 @@ class ResponsesServing(BaseServing):
         history = prev.items + prev.output_items if prev else []
         tools, namespaces = chat_tools(req.tools)
         mode = self._tool_mode(req, tools)
-        structured, source = self._structured_outputs(req, tools, mode)
+        prompt, items = await asyncio.to_thread(self._fitted_prompt, req, prev,
+                                                history + new_items, tools)  # fmt: skip
+        prompt_tail = self.engine.tokenizer.decode(prompt.token_ids[-32:])  # where reasoning stands
+        structured, source = self._structured_outputs(req, tools, mode, prompt_tail)
         fmt = (req.text or {}).get("format") or {"type": "text"}
-        prompt = await asyncio.to_thread(self._prompt, req, prev, history + new_items, tools)
+        truncated = len(items) < len(history) + len(new_items)
+        self.truncations += truncated
         if prev is not None:
-            self.continuations["token_exact" if prompt.token_exact else "rerendered"] += 1
+            kind = "token_exact" if prompt.token_exact else "rerendered"
+            self.continuations["truncated" if truncated else kind] += 1
         logprobs = (req.top_logprobs or 0) if LOGPROBS in (req.include or []) else None
         sampling = _SamplingFields(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                                    cache_salt=req.cache_salt)  # fmt: skip
@@ -150,9 +175,33 @@ class ResponsesServing(BaseServing):
             params.max_tokens = 1
         response_id = random_id("resp_")
         streams = await self.add_all(response_id, [prompt.token_ids], [params], "input", source)
-        turn = ResponseTurn(self, req, response_id, model, (tenant, chain), history + new_items, prompt,
-                     (mode, fmt, namespaces))  # fmt: skip
+
+        def new_output() -> ResponseOutput:
+            name = self.reasoning_parser
+            reasoner = reasoning_parser(name, prompt_tail) if name is not None else None
+            return ResponseOutput(mode, LOGPROBS in (req.include or []), namespaces,
+                                  self.tool_parser, tools, reasoner)  # fmt: skip
+
+        turn = ResponseTurn(self, req, response_id, model, (tenant, chain), items, prompt,
+                            (mode, fmt, new_output))  # fmt: skip
         return turn, streams
+
+    def reasoning_tokens(self, token_ids: list[int], reasoning: str | None) -> int:
+        """How many of an output's tokens are reasoning (``output_tokens_details``)."""
+        return count_reasoning_tokens(self.engine.tokenizer, token_ids, reasoning)
+
+    def _fitted_prompt(self, req: ResponsesRequest, prev: StoredResponse | None,
+                       items: list[dict], tools: list[dict] | None) -> tuple[Prompt, list[dict]]:  # fmt: skip
+        """(the prompt, the items it renders): with ``truncation: "auto"``, a prompt over the
+        context (with room for ``max_output_tokens``) loses its oldest turns
+        (``responses_truncation``), and is then a full rendering."""
+        prompt = self._prompt(req, prev, items, tools)
+        room = self.engine.max_model_len - (req.max_output_tokens or 1)
+        if req.truncation != "auto" or len(prompt.token_ids) <= room:
+            return prompt, items
+        cut = truncate(items, lambda kept: self._prompt(req, None, kept, tools),
+                       lambda p: len(p.token_ids) <= room)  # fmt: skip
+        return cut if cut is not None else (prompt, items)
 
     def _prompt(self, req: ResponsesRequest, prev: StoredResponse | None,
                 items: list[dict], tools: list[dict] | None) -> Prompt:  # fmt: skip
@@ -208,25 +257,32 @@ class ResponsesServing(BaseServing):
         return ToolMode.AUTO
 
     def _structured_outputs(
-        self, req: ResponsesRequest, tools: list[dict] | None, mode: ToolMode
+        self, req: ResponsesRequest, tools: list[dict] | None, mode: ToolMode, prompt_tail: str
     ) -> tuple[StructuredOutputsParams | None, str]:
         """(params, the request field they came from). A forced call writes no message text, so
         ``text.format`` applies to the turns that write text; with ``auto``, a ``text.format``
-        other than text constrains the whole output, else strict tools constrain the calls."""
+        other than text constrains the whole output, else strict tools constrain the calls
+        (hermes only: the optional-call grammar exists in that syntax alone, so with another
+        ``--tool-call-parser`` strict auto calls are parsed but not constrained). Every grammar
+        applies after the reasoning block, when one comes."""
         fmt = (req.text or {}).get("format") or {"type": "text"}
         kind = fmt.get("type")
+        reasoning = reasoning_tags(self.reasoning_parser, prompt_tail)
         try:
             if mode in (ToolMode.REQUIRED, ToolMode.NAMED):
                 name = req.tool_choice["name"] if mode is ToolMode.NAMED else None
-                return tool_call_params(tools or [], name, req.parallel_tool_calls), "tool_choice"
+                params = tool_call_params(tools or [], name, req.parallel_tool_calls,
+                                          self.forced_syntax, reasoning)  # fmt: skip
+                return params, "tool_choice"
             if kind == "json_object":
-                return StructuredOutputsParams(json_object=True), "text"
+                return StructuredOutputsParams(json_object=True, reasoning=reasoning), "text"
             if kind == "json_schema" and isinstance(fmt.get("schema"), (dict, bool)):
-                return StructuredOutputsParams(json=fmt["schema"]), "text"
+                return StructuredOutputsParams(json=fmt["schema"], reasoning=reasoning), "text"
             strict = strict_names(req.tools)
-            if kind == "text" and mode is ToolMode.AUTO and strict:
+            hermes = self.tool_parser == "hermes"
+            if kind == "text" and mode is ToolMode.AUTO and strict and hermes:
                 params = optional_tool_call_params(tools or [], strict, req.parallel_tool_calls)
-                return params, "tools"
+                return dataclasses.replace(params, reasoning=reasoning), "tools"
             if kind == "text":
                 return None, "text"
         except InvalidArgumentError as exc:

@@ -25,7 +25,6 @@ from prefixserve.structured_outputs import tool_calls as forced
 
 START, END = "<tool_call>", "</tool_call>"
 _CALL_RE = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|$)", re.DOTALL)
-TOOL_PARSERS = ("hermes",)
 
 
 def _to_call(body: str) -> ToolCall | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -116,3 +117,65 @@ def test_qwen3_thinking_off_has_no_reasoning(qwen3):
     choice = first.choices[0]
     assert choice.message.reasoning_content is None and choice.message.tool_calls
     assert first.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_r1_responses_reasoning_item_streamed_as_whole_and_counted(r1, seed):
+    """Responses: the reasoning is a ``reasoning`` item before any message, its events in
+    OpenAI's order through the SDK's own stream, and its tokens counted in usage."""
+    client, _ = r1
+    kwargs = dict(model="m", input="Is 7 prime?", max_output_tokens=24, temperature=1.0,
+                  extra_body={"seed": seed})  # fmt: skip
+    whole = client.responses.create(**kwargs)
+    reasoning = whole.output[0]
+    assert reasoning.type == "reasoning" and reasoning.summary == []
+    assert [p.type for p in reasoning.content] == ["reasoning_text"] and reasoning.content[0].text
+    assert [i.type for i in whole.output[1:]] in ([], ["message"])
+    details = whole.usage.output_tokens_details
+    if len(whole.output) == 1:  # the reasoning never closed: every token is reasoning
+        assert details.reasoning_tokens == whole.usage.output_tokens
+    else:
+        assert 0 < details.reasoning_tokens < whole.usage.output_tokens
+    with client.responses.stream(**kwargs) as stream:
+        events = list(stream)
+    final = events[-1].response  # completed, or incomplete at max_output_tokens
+    assert events[-1].type == f"response.{whole.status}"
+    assert final.output[0].content[0].text == reasoning.content[0].text
+    assert final.usage.output_tokens_details.reasoning_tokens == details.reasoning_tokens
+    mine = [e.type for e in events if getattr(e, "output_index", None) == 0]
+    assert mine[:2] == ["response.output_item.added", "response.content_part.added"]
+    assert set(mine[2:-3]) == {"response.reasoning_text.delta"}
+    assert mine[-3:] == ["response.reasoning_text.done", "response.content_part.done",
+                         "response.output_item.done"]  # fmt: skip
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == reasoning.content[0].text
+
+
+def test_r1_responses_continue_after_reasoning(r1):
+    """A continued response's reasoning item goes back in as the assistant's reasoning, which
+    R1's template drops from earlier turns: the continuation is re-rendered, and counted."""
+    client, _ = r1
+    base = str(client.base_url).removesuffix("/v1/")
+    first = client.responses.create(model="m", input="Is 7 prime?", max_output_tokens=8,
+                                    temperature=0.0)  # fmt: skip
+    assert first.output[0].type == "reasoning"
+    before = httpx.get(f"{base}/stats").json()
+    second = client.responses.create(model="m", previous_response_id=first.id, input="And 9?",
+                                     max_output_tokens=4, temperature=0.0)  # fmt: skip
+    after = httpx.get(f"{base}/stats").json()
+    assert second.output[0].type == "reasoning"
+    kinds = ("responses_continuations_token_exact", "responses_continuations_rerendered")
+    assert sum(after[k] - before[k] for k in kinds) == 1
+
+
+def test_qwen3_responses_grammars_compile_after_the_reasoning(qwen3):
+    """Responses with a reasoning parser: a strict tool under ``auto`` and a forced call are
+    grammars that start after the reasoning block (Qwen3 opens ``<think>`` itself here)."""
+    client, _ = qwen3
+    tools = [{"type": "function", "name": "pick", "parameters": PICK, "strict": True}]
+    for choice in ("auto", "required"):
+        r = client.responses.create(model="m", input="Is 7 prime?", tools=tools,
+                                    tool_choice=choice, max_output_tokens=12, temperature=1.0,
+                                    extra_body={"seed": 3})  # fmt: skip
+        assert r.output and r.output[0].type == "reasoning"  # the grammar opened the block
+        assert r.usage.output_tokens_details.reasoning_tokens > 0

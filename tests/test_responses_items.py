@@ -98,3 +98,20 @@ def test_strict_is_true_unless_set_false():
                  {"type": "function", "name": "e", "strict": False}]}]  # fmt: skip
     assert strict_names(tools) == {"a", "c", "d"}
     assert strict_names(None) == set()
+
+
+def test_reasoning_that_nothing_follows_is_an_assistant_turn_of_its_own():
+    """An output that only reasoned (cut off inside its reasoning) stays in its own turn when
+    the conversation goes on, instead of moving into a later assistant message."""
+    items = normalize_input([
+        {"role": "user", "content": "hi"},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "hmm"}]},
+        {"role": "user", "content": "well?"},
+        {"role": "assistant", "content": "yes"},
+    ])  # fmt: skip
+    assert to_messages(items) == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "reasoning_content": "hmm"},
+        {"role": "user", "content": "well?"},
+        {"role": "assistant", "content": "yes"},
+    ]

@@ -92,3 +92,56 @@ def test_a_namespaced_function_call_names_its_namespace():
     out.feed(CALLS, final=True)
     out.finish("completed")
     assert "namespace" not in out.items[0] and out.items[1]["namespace"] == "tools"
+
+
+def _reasoned(text: str, piece: int, mode: ToolMode = ToolMode.NONE, status: str = "completed"):
+    from prefixserve.api.reasoning_parsers import reasoning_parser
+
+    out = ResponseOutput(mode, reasoner=reasoning_parser("qwen3", "<|im_start|>assistant\n"))
+    events = []
+    for i in range(0, len(text), piece):
+        events += out.feed(text[i : i + piece])
+    return out, events + out.feed("", final=True) + out.finish(status)
+
+
+def test_reasoning_is_an_item_before_the_message_in_openai_order():
+    text = "<think>is 7 prime?</think>\n\nYes."
+    for piece in (1, 4, 1000):
+        out, events = _reasoned(text, piece)
+        reasoning, message = out.items
+        assert reasoning["type"] == "reasoning" and reasoning["summary"] == []
+        assert reasoning["content"] == [{"type": "reasoning_text", "text": "is 7 prime?"}]
+        assert reasoning["status"] == "completed" and out.reasoning == "is 7 prime?"
+        assert message["content"][0]["text"] == "Yes." and out.text == "Yes."
+        kinds = [e["type"] for e in events if e["output_index"] == 0]
+        assert kinds[:2] == ["response.output_item.added", "response.content_part.added"]
+        assert set(kinds[2:-3]) == {"response.reasoning_text.delta"}
+        assert kinds[-3:] == ["response.reasoning_text.done", "response.content_part.done",
+                              "response.output_item.done"]  # fmt: skip
+        deltas = "".join(e["delta"] for e in events if e["type"].endswith("reasoning_text.delta"))
+        assert deltas == "is 7 prime?"
+        first_message = min(i for i, e in enumerate(events) if e["output_index"] == 1)
+        assert first_message > max(i for i, e in enumerate(events) if e["output_index"] == 0)
+
+
+def test_reasoning_then_a_forced_call_and_unfinished_reasoning():
+    out, _ = _reasoned("<think>call it</think>\n" + CALLS, 3, ToolMode.REQUIRED)
+    assert [i["type"] for i in out.items] == ["reasoning", "function_call", "function_call"]
+    out, events = _reasoned("<think>still thinking", 2, status="incomplete")
+    (item,) = out.items
+    assert item["status"] == "incomplete" and out.reasoning == "still thinking"
+    assert events[-1]["type"] == "response.output_item.done"
+    out, _ = _reasoned("No tags here.", 5)
+    assert [i["type"] for i in out.items] == ["message"] and out.reasoning is None
+
+
+def test_logprobs_of_reasoning_tokens_make_no_message():
+    from prefixserve.api.reasoning_parsers import reasoning_parser
+
+    out = ResponseOutput(ToolMode.NONE, with_logprobs=True,
+                         reasoner=reasoning_parser("deepseek_r1", "<think>\n"))  # fmt: skip
+    lp = [{"token": "a", "logprob": -0.1, "bytes": [97], "top_logprobs": []}]
+    out.feed("thinking", lp)
+    assert [i["type"] for i in out.items] == ["reasoning"]
+    out.feed("</think>Hi", lp, final=True)
+    assert out.items[1]["content"][0]["logprobs"] == lp

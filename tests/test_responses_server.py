@@ -175,7 +175,6 @@ def test_evicted_response_is_a_404(client):
     ("extra", "param"),
     [
         ({"background": True}, "background"),
-        ({"truncation": "auto"}, "truncation"),
         ({"reasoning": {"effort": "high", "summary": "auto"}}, "reasoning"),
         ({"include": ["file_search_call.results"]}, "include"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
@@ -306,3 +305,38 @@ def test_a_warmup_over_http_writes_nothing_and_is_continued_exactly(server, clie
                                 previous_response_id=warm.id, max_output_tokens=2)  # fmt: skip
     assert r.usage.input_tokens_details.cached_tokens >= warm.usage.input_tokens // BLOCK * BLOCK
     assert continuations(server)["token_exact"] == before["token_exact"] + 1
+
+
+def test_truncation_auto_drops_the_oldest_turns(server, client):
+    """A conversation over the context (1024 here) is refused, or with ``truncation: "auto"``
+    loses its oldest whole turns; the response keeps the items it rendered, so the next
+    continuation that fits is token-exact again."""
+    turns = []
+    for k in range(4):
+        turns += [{"role": "user", "content": f"question {k}: " + "lorem ipsum " * 16},
+                  {"role": "assistant", "content": f"answer {k}: " + "dolor sit " * 16}]  # fmt: skip
+    turns.append({"role": "user", "content": "last question"})
+    body = dict(model=MODEL, input=turns, max_output_tokens=8, temperature=0)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(**body)
+    before = httpx.get(f"{server}/stats").json()
+    first = client.responses.create(truncation="auto", **body)
+    assert first.truncation == "auto" and first.usage.input_tokens + 8 <= 1024
+    items = client.responses.input_items.list(first.id, order="asc", limit=100).data
+    texts = [item.content[0].text for item in items]
+    assert 0 < len(texts) < len(turns) and items[0].role == "user"
+    assert texts == [t["content"] for t in turns[-len(texts) :]]
+    assert len(texts) == len(turns) - 2  # only the first turn had to go
+    more = client.responses.create(model=MODEL, previous_response_id=first.id, truncation="auto",
+                                   input="next: " + "lorem ipsum " * 30, max_output_tokens=8,
+                                   temperature=0)  # fmt: skip
+    assert more.usage.input_tokens + 8 <= 1024
+    last = client.responses.create(model=MODEL, previous_response_id=more.id, truncation="auto",
+                                   input="ok?", max_output_tokens=4, temperature=0)  # fmt: skip
+    after = httpx.get(f"{server}/stats").json()
+    assert after["responses_truncations"] == before["responses_truncations"] + 2
+    for kind in ("truncated", "token_exact"):  # more was cut; last, which fits, spliced
+        key = f"responses_continuations_{kind}"
+        assert after[key] == before[key] + 1
+    previous = more.usage.input_tokens + more.usage.output_tokens - 1
+    assert last.usage.input_tokens_details.cached_tokens >= previous // BLOCK * BLOCK

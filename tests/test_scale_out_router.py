@@ -11,7 +11,10 @@ from __future__ import annotations
 import time
 
 import pytest
+from prefixserve.api.responses_continuation import continue_prompt, render_prompt
+from prefixserve.api.responses_items import normalize_input, to_messages
 
+from prefixserve.chat_template import render_chat_text
 from prefixserve.config import EngineConfig
 from prefixserve.engine import LLMEngine
 from prefixserve.errors import InvalidArgumentError
@@ -352,3 +355,58 @@ def test_engine_requests_and_reports_survive_the_round_trip() -> None:
     report = ReplicaReport("x", 1, "10.0.0.1", KVEventsEndpoint("tcp://a:1", None, 16), {"k": 1})
     assert ReplicaReport.from_dict(report.to_dict()) == report
     assert ReplicaReport.from_dict({}) is None
+
+
+def test_a_responses_continuation_routes_to_the_replica_holding_the_previous_response() -> None:
+    """The ingress builds a continuation's prompt as the previous response's own prompt and
+    output ids plus the new items (``continue_prompt``), so its block hashes extend the ones the
+    replica that ran the previous response published, generated blocks included: the router
+    sends it there, over a replica that holds only the shared prompt, and predicts the engine's
+    own hit."""
+    engine = LLMEngine(
+        EngineConfig(num_kv_blocks=64, block_size=BS, max_model_len=512,
+                     kv_events_endpoint=LOCAL, kv_events_replay_endpoint=LOCAL)
+    )  # fmt: skip
+    tok, pool = engine.tokenizer, engine.scheduler.kv.pool
+    pub = engine.kv_event_publisher
+    state = PrefixRouterState()
+    follower = EventFollower(KVEventsEndpoint(pub.endpoint, pub.replay_endpoint, BS),
+                             state.mirror("a"))  # fmt: skip
+    params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True, cache_salt="t")
+
+    def run(request_id: str, prompt: list[int]):
+        engine.add_request(request_id, prompt, params)
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        expected = {external_block_hash(h) for h in pool.hashed_blocks()}
+        _until(lambda: state.mirror("a").held == expected)
+        return outputs[-1]
+
+    try:
+        items = normalize_input([{"role": "system", "content": "You are a careful agent."},
+                                 {"role": "user", "content": "List the files, then stop."}])  # fmt: skip
+        first = render_prompt(tok, render_chat_text(tok, to_messages(items)))
+        out = run("resp_1", first.token_ids)
+        generated = out.outputs[0].token_ids
+        reply = tok.decode(generated, skip_special_tokens=False)
+        history = items + normalize_input([{"role": "assistant", "content": reply},
+                                           {"role": "user", "content": "And now?"}])  # fmt: skip
+        full = render_chat_text(tok, to_messages(history))
+        prompt = continue_prompt(tok, first.text, first.token_ids, generated, full)
+        assert prompt.token_exact
+        previous = [*first.token_ids, *generated]
+        assert prompt.token_ids[: len(previous)] == previous
+        # replica b served another request with the same first prompt: it holds that, no more
+        state.mirror("b").apply([stored(request_block_hashes(first.token_ids, BS, "t"))])
+        hashes = request_block_hashes(prompt.token_ids, BS, "t")
+        decision = state.route("resp_2", ["a", "b"], hashes, BS, len(prompt.token_ids))
+        hits = {c.replica: c.hit_tokens for c in decision.ranking}
+        assert (ranking(decision)[0], decision.reason) == ("a", PREFIX)
+        computed = len(previous) - 1  # the last generated token's KV is never written
+        assert hits["a"] == computed // BS * BS > hits["b"]
+        assert run("resp_2", prompt.token_ids).num_cached_tokens == hits["a"]
+    finally:
+        follower.close()
+        follower.join(5)
+        engine.shutdown()
