@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import json
 
-from prefixserve.api.serving_chat import ToolMode
-from prefixserve.api.tool_call_streams import call_stream
+from prefixserve.api.tool_call_streams import ToolMode, call_stream
 
 Event = tuple[str, dict]
 

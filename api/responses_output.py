@@ -34,8 +34,7 @@ from typing import Any
 
 from prefixserve.api.protocol import random_id
 from prefixserve.api.reasoning_parsers import ThinkReasoningParser
-from prefixserve.api.serving_chat import ToolMode
-from prefixserve.api.tool_call_streams import call_stream
+from prefixserve.api.tool_call_streams import ToolMode, call_stream
 
 
 class ResponseOutput:

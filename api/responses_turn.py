@@ -24,7 +24,7 @@ from prefixserve.api.responses_continuation import Prompt
 from prefixserve.api.responses_output import ResponseOutput
 from prefixserve.api.responses_store import Chain, StoredResponse
 from prefixserve.api.serving_base import DeltaTracker, merge
-from prefixserve.api.serving_chat import ToolMode
+from prefixserve.api.tool_call_streams import ToolMode
 
 from prefixserve.outputs import CompletionOutput, RequestOutput
 

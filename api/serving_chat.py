@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import enum
 from collections.abc import Iterator
 
 from fastapi import Request
@@ -39,23 +38,20 @@ from prefixserve.api.protocol import (
     random_id,
 )
 from prefixserve.api.reasoning_parsers import (
-    THINK_END,
-    THINK_START,
     count_reasoning_tokens,
-    reasoning_ahead,
     reasoning_parser,
-    starts_in_reasoning,
+    reasoning_tags,
 )
 from prefixserve.api.serving_base import BaseServing, ChoiceDelta, DeltaTracker, usage_of
 from prefixserve.api.structured_outputs import structured_outputs_of
 from prefixserve.api.tool_call_parsers import tool_call_parser
+from prefixserve.api.tool_call_streams import ToolMode, forced_syntax
 from prefixserve.api.tool_parsers import ForcedToolCallDeltas, parse_forced_tool_calls
 
 from prefixserve.chat_template import render_chat
 from prefixserve.errors import InvalidArgumentError
 from prefixserve.outputs import CompletionOutput, RequestOutput
 from prefixserve.structured_outputs.params import StructuredOutputsParams
-from prefixserve.structured_outputs.tool_call_syntaxes import SYNTAXES
 from prefixserve.structured_outputs.tool_calls import tool_call_params
 
 
@@ -73,8 +69,7 @@ class ChatServing(BaseServing):
         self.tool_parser = tool_parser
         self.content_format = content_format
         self.reasoning_parser = reasoning_parser
-        # forced calls use the parser's syntax where it has one that a grammar can generate
-        self.forced_syntax = tool_parser if tool_parser in SYNTAXES else "hermes"
+        self.forced_syntax = forced_syntax(tool_parser)
         texts = {engine.tokenizer.decode([t]) for t in engine.eos_token_ids} - {""}
         self.eos_texts = tuple(sorted(texts, key=len, reverse=True))
 
@@ -161,7 +156,7 @@ class ChatServing(BaseServing):
         tools, mode = self._tool_mode(req)
         prompt = await asyncio.to_thread(self._render, req, tools)
         prompt_tail = self.engine.tokenizer.decode(prompt[-32:])  # where reasoning stands
-        reasoning = self._reasoning_tags(prompt_tail)
+        reasoning = reasoning_tags(self.reasoning_parser, prompt_tail)
         structured, source = self._structured_outputs(req, tools, mode, reasoning)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
@@ -182,13 +177,6 @@ class ChatServing(BaseServing):
         return ChatCompletionResponse(
             id=request_id, model=model, choices=choices, usage=usage, **self._extras(req, final)
         )
-
-    def _reasoning_tags(self, prompt_tail: str) -> tuple[str, str] | None:
-        """``StructuredOutputsParams.reasoning`` for this prompt: None when no reasoning comes."""
-        name = self.reasoning_parser
-        if name is None or not reasoning_ahead(name, prompt_tail):
-            return None
-        return ("" if starts_in_reasoning(name, prompt_tail) else THINK_START), THINK_END
 
     def _reasoning_tokens(self, token_ids: list[int], reasoning: str | None) -> int:
         return count_reasoning_tokens(self.engine.tokenizer, token_ids, reasoning)
@@ -388,17 +376,6 @@ class ChatServing(BaseServing):
             streams, base, events, req.stream_options, first_chunks=roles,
             usage_details=usage_details,
         )  # fmt: skip
-
-
-class ToolMode(enum.Enum):
-    """How a chat request's tool calls come out: none; parsed from free text when the model
-    chooses to call (``auto``); forced by a grammar, any listed function (``required``) or one
-    named function."""
-
-    NONE = "none"
-    AUTO = "auto"
-    REQUIRED = "required"
-    NAMED = "named"
 
 
 def _finish_reason(reason: str | None, mode: ToolMode, called: bool) -> str | None:

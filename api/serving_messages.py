@@ -42,9 +42,10 @@ from prefixserve.api.protocol_messages import (
     MessagesUsage,
     anthropic_error,
 )
-from prefixserve.api.reasoning_parsers import reasoning_parser
+from prefixserve.api.reasoning_parsers import reasoning_parser, reasoning_tags
 from prefixserve.api.serving_base import DeltaTracker, merge
-from prefixserve.api.serving_chat import ChatServing, ToolMode
+from prefixserve.api.serving_chat import ChatServing
+from prefixserve.api.tool_call_streams import ToolMode
 
 from prefixserve.outputs import CompletionOutput, RequestOutput
 
@@ -146,7 +147,7 @@ class MessagesServing:
         tools, mode = chat._tool_mode(chat_req)
         prompt = await asyncio.to_thread(chat._render, chat_req, tools)
         prompt_tail = chat.engine.tokenizer.decode(prompt[-32:])  # where reasoning stands
-        reasoning = chat._reasoning_tags(prompt_tail)
+        reasoning = reasoning_tags(chat.reasoning_parser, prompt_tail)
         structured, source = chat._structured_outputs(
             chat_req, grammar_tools or tools, mode, reasoning
         )

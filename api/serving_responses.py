@@ -38,8 +38,7 @@ from prefixserve.api.responses_store import Chain, ResponseStore, StoredResponse
 from prefixserve.api.responses_truncation import truncate
 from prefixserve.api.responses_turn import LOGPROBS, ResponseTurn
 from prefixserve.api.serving_base import BaseServing
-from prefixserve.api.serving_chat import ToolMode
-from prefixserve.api.tool_call_streams import forced_syntax
+from prefixserve.api.tool_call_streams import ToolMode, forced_syntax
 
 from prefixserve.chat_template import render_chat_text
 from prefixserve.errors import InvalidArgumentError

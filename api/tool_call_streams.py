@@ -1,6 +1,8 @@
 """Which reader turns a reply's text into content and tool calls, for every endpoint.
 
-Chat completions, Responses and Messages read calls the same way (``call_stream``):
+Responses and Messages read calls this way (``call_stream``); chat completions picks the same
+syntax (``forced_syntax``) but streams forced hermes calls argument by argument
+(``tool_parsers.ForcedToolCallDeltas``) and reads a whole reply with the parser's ``parse``:
 
     mode NONE                 no reader: all text is content
     mode AUTO                 ``--tool-call-parser``'s syntax (``tool_call_parsers``), content kept
@@ -15,14 +17,25 @@ are built by one reader and agree for any split of the text (the parsers' own in
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 from prefixserve.api.protocol import ToolCall
-from prefixserve.api.serving_chat import ToolMode
 from prefixserve.api.tool_call_parsers import tool_call_parser
 from prefixserve.api.tool_parsers import parse_forced_tool_calls
 
 from prefixserve.structured_outputs.tool_call_syntaxes import SYNTAXES
+
+
+class ToolMode(enum.Enum):
+    """How a chat request's tool calls come out: none; parsed from free text when the model
+    chooses to call (``auto``); forced by a grammar, any listed function (``required``) or one
+    named function."""
+
+    NONE = "none"
+    AUTO = "auto"
+    REQUIRED = "required"
+    NAMED = "named"
 
 
 def forced_syntax(tool_parser: str | None) -> str:

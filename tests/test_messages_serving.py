@@ -13,8 +13,8 @@ from prefixserve.api.messages_prompt import to_chat_request
 from prefixserve.api.messages_stream import BlockEvents
 from prefixserve.api.protocol import APIError
 from prefixserve.api.protocol_messages import MessagesRequest
-from prefixserve.api.serving_chat import ToolMode
 from prefixserve.api.serving_messages import MessagesServing
+from prefixserve.api.tool_call_streams import ToolMode
 
 from prefixserve.outputs import CompletionOutput, RequestOutput
 

@@ -9,8 +9,8 @@ import pytest
 from prefixserve.api.messages_stream import BlockEvents
 from prefixserve.api.protocol import APIError
 from prefixserve.api.protocol_messages import anthropic_error, is_messages_path
-from prefixserve.api.serving_chat import ToolMode
 from prefixserve.api.serving_messages import content_blocks, stop_reason_of, usage_of
+from prefixserve.api.tool_call_streams import ToolMode
 from prefixserve.api.tool_parsers import parse_forced_tool_calls, parse_tool_calls
 
 from prefixserve.outputs import CompletionOutput, RequestOutput

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prefixserve.api.responses_output import ResponseOutput
-from prefixserve.api.serving_chat import ToolMode
+from prefixserve.api.tool_call_streams import ToolMode
 
 CALLS = ('<tool_call>\n{"name": "f", "arguments": {"a": [1, 2]}}\n</tool_call>\n'
          '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>')  # fmt: skip

@@ -8,11 +8,11 @@ import json
 import pytest
 from prefixserve.api.messages_stream import BlockEvents
 from prefixserve.api.responses_output import ResponseOutput
-from prefixserve.api.serving_chat import ToolMode
 from prefixserve.api.tool_call_parsers import ToolCallStream
 from prefixserve.api.tool_call_streams import (
     ContentDropped,
     ForcedHermesStream,
+    ToolMode,
     call_stream,
     forced_syntax,
 )
