@@ -285,6 +285,8 @@ def test_metrics_names(server, client):
         "prefixserve_kv_cache_usage_ratio",
         "prefixserve_kv_evictions_total",
         "prefixserve_kv_cow_copies_total",
+        "prefixserve_prefix_cache_tail_hits_total",
+        "prefixserve_prefix_cache_tail_hit_tokens_total",
         "prefixserve_num_requests_running",
         "prefixserve_num_requests_waiting",
         "prefixserve_num_preemptions_total",
