@@ -105,6 +105,16 @@ class KVCacheMachine(RuleBasedStateMachine):
         seq = self.seqs[self.pick(data)]
         self.admit(seq.tokens + tail, seq.extra)
 
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), new=st.lists(st.integers(0, 2), min_size=1, max_size=4))
+    def finish_and_continue(self, data: st.DataObject, new: list[int]) -> None:
+        """A sequence finishes keeping its tail, and its next turn comes at once."""
+        sid = self.pick(data)
+        seq = self.seqs.pop(sid)
+        self.finished.append(seq)
+        self.mgr.free_keeping_tail(sid, seq.tokens, seq.hashes, seq.num_computed, seq.extra)
+        self.admit(seq.tokens + new, seq.extra)
+
     @precondition(lambda self: self.finished)
     @rule(data=st.data(), keep=st.integers(0, 3), tail=st.lists(st.integers(0, 2), max_size=4))
     def continue_finished(self, data: st.DataObject, keep: int, tail: list[int]) -> None:

@@ -2,10 +2,12 @@
 
 Which tail a finished sequence leaves, which one a lookup finds and how many of its tokens count,
 the copy and the pin at admission, eviction, the antichain under one key, a failed step, and
-prefix caching off. Block size 4 throughout.
+prefix caching off; and the scheduler's side of it. Block size 4 throughout.
 """
 
 from __future__ import annotations
+
+from test_scheduler import make_request, make_scheduler, sample_all, scheduled, waiting_ids
 
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.kv.hashing import extend_block_hashes
@@ -190,9 +192,9 @@ def test_failed_admissions_and_failed_steps() -> None:
     prev = list(range(6))
     run(mgr, "a", prev)
     finish(mgr, "a", prev)
-    hit = mgr.lookup(prev + [1] * 10, hashes_of(prev + [1] * 10), EXTRA)
+    hit = mgr.lookup(prev + [1] * 11, hashes_of(prev + [1] * 11), EXTRA)
     copies: list[tuple[int, int]] = []
-    assert not mgr.allocate_for_prompt("b", hit, 10, copies)  # 3 more blocks: does not fit
+    assert not mgr.allocate_for_prompt("b", hit, 11, copies)  # 5 blocks: does not fit
     assert copies == [] and mgr.pool.blocks[1].ref_cnt == 0 and mgr.stats()["tail_hits"] == 0
     hit = mgr.lookup(prev + [1], hashes_of(prev + [1]), EXTRA)
     assert mgr.allocate_for_prompt("b", hit, 1, copies)
@@ -231,3 +233,66 @@ def test_reset_drops_tails_and_helpers() -> None:
     pool = BlockPool(2, enable_caching=False)
     (block,) = pool.allocate(1)
     assert not pool.cache_tail(block, 1, (1,))
+
+
+# ---- the scheduler's side: the copy joins the step, preemption keeps nothing, abort keeps it ----
+
+
+def _finish(sched, out) -> None:
+    while not out.is_empty:
+        sample_all(sched, out)
+        out = sched.schedule()
+
+
+def test_admission_puts_the_tail_copy_in_the_step() -> None:
+    sched = make_scheduler(32)
+    sched.add_request(make_request("a", list(range(5)), max_tokens=3))
+    _finish(sched, sched.schedule())  # 5 + 3 tokens, 7 computed: tail (4, 7, 7) in block 1
+    (tail,) = sched.kv.pool.tail_blocks()
+    assert tail.token_ids == (4, 7, 7)
+    sched.add_request(make_request("b", [*range(5), 7, 7, 7, 9]))
+    out = sched.schedule()
+    assert scheduled(out) == [("b", 2)]  # the last output token and the new one
+    table = out.block_tables[out.scheduled[0].seq.seq_id]
+    assert out.block_copies == [(tail.block_id, table[1])]
+    assert sched.requests["b"].num_cached_tokens == 7
+    sample_all(sched, out)
+    assert tail.ref_cnt == 0 and sched.kv.stats()["tail_hits"] == 1  # unpinned by the commit
+
+
+def test_an_admission_that_does_not_fit_adds_no_copy() -> None:
+    sched = make_scheduler(4)
+    sched.add_request(make_request("a", list(range(5)), max_tokens=3))
+    _finish(sched, sched.schedule())
+    sched.add_request(make_request("b", [*range(5), 7, 7, 7, *range(20, 29)]))  # 5 blocks
+    out = sched.schedule()
+    assert out.is_empty and out.block_copies == [] and waiting_ids(sched) == ["b"]
+    assert sched.kv.pool.num_used_blocks == 0 and sched.kv.stats()["tail_hits"] == 0
+
+
+def test_a_tail_that_would_cost_the_last_block_is_taken_in_place() -> None:
+    """4 blocks, the prompt needs all of them: pinning the tail for a copy would need a fifth, so
+    the tail block itself becomes the prompt's second block (no copy, no longer a tail)."""
+    sched = make_scheduler(4)
+    sched.add_request(make_request("a", list(range(5)), max_tokens=3))
+    _finish(sched, sched.schedule())
+    (tail,) = sched.kv.pool.tail_blocks()
+    sched.add_request(make_request("b", [*range(5), 7, 7, 7, *range(20, 28)]))  # 4 blocks
+    out = sched.schedule()
+    assert scheduled(out) == [("b", 9)] and out.block_copies == []
+    assert out.block_tables[out.scheduled[0].seq.seq_id][1] == tail.block_id
+    assert not tail.is_tail and tail.ref_cnt == 1 and sched.kv.pool.num_tail_blocks == 0
+    assert sched.requests["b"].num_cached_tokens == 7 and sched.kv.stats()["tail_hits"] == 1
+
+
+def test_preemption_keeps_no_tail_but_an_abort_does() -> None:
+    sched = make_scheduler(7)
+    sched.add_request(make_request("a", list(range(8))))  # 2 blocks
+    sched.add_request(make_request("b", list(range(10, 18))))  # 2 blocks
+    sched.add_request(make_request("c", list(range(20, 31))))  # 3 blocks: the pool is full
+    sample_all(sched, sched.schedule())
+    sample_all(sched, sched.schedule())  # a and b need a third block: c is preempted
+    assert sched.stats().num_preemptions == 1 and waiting_ids(sched) == ["c"]
+    assert sched.kv.pool.num_tail_blocks == 0  # c's 11 computed tokens leave full blocks only
+    sched.abort_request("a")  # 9 computed: its first sampled token stays as a tail
+    assert [t.token_ids for t in sched.kv.pool.tail_blocks()] == [(7,)]

@@ -76,6 +76,7 @@ class BlockPool:
         self._lru: OrderedDict[int, KVBlock] = OrderedDict()
         self._hash_to_block: dict[BlockHash, KVBlock] = {}
         self._tails: dict[BlockHash, list[KVBlock]] = {}
+        self._num_tails = 0
         self.evictions = 0
         self.cow_copies = 0
         self.kv_events = kv_events
@@ -93,7 +94,7 @@ class BlockPool:
     @property
     def num_tail_blocks(self) -> int:
         """Blocks registered as tails (cached, or pinned by a copy in flight)."""
-        return sum(map(len, self._tails.values()))
+        return self._num_tails
 
     @property
     def num_used_blocks(self) -> int:
@@ -246,6 +247,7 @@ class BlockPool:
         block.tail_key = tail_key
         block.token_ids = tokens
         self._tails.setdefault(tail_key, []).append(block)
+        self._num_tails += 1
         return True
 
     def match_tail(
@@ -259,6 +261,14 @@ class BlockPool:
             if n > best_len:
                 best, best_len = tail, n
         return best, best_len
+
+    def take_tail(self, block: KVBlock) -> KVBlock:
+        """Hand out a cached tail as a used block (ref_cnt 1) keeping its K/V; no longer a tail."""
+        assert block.is_tail and block.ref_cnt == 0
+        self._unindex_tail(block)
+        del self._lru[block.block_id]
+        block.ref_cnt = 1
+        return block
 
     def drop_tail(self, block: KVBlock) -> None:
         """Forget a tail; a cached one (ref_cnt 0) becomes free, a pinned one when unpinned."""
@@ -275,6 +285,7 @@ class BlockPool:
             del self._tails[block.tail_key]
         block.tail_key = None
         block.token_ids = None
+        self._num_tails -= 1
 
     def tail_blocks(self) -> list[KVBlock]:
         """Every tail block (for tests and debugging)."""
@@ -289,6 +300,7 @@ class BlockPool:
             block.token_ids = None
             block.tail_key = None
         self._tails.clear()
+        self._num_tails = 0
         self._hash_to_block.clear()
         self._lru.clear()
         self._free_ids = deque(range(self.num_blocks))

@@ -160,29 +160,40 @@ class KVCacheManager:
         Returns False, having changed nothing, when the blocks do not fit. The full blocks of
         the hit are never written. A hit ending in a tail appends ``(tail, first fresh block)``
         to ``copies`` (the model runner copies it before the forward) and pins the tail until
-        the step ends (``commit_step`` / ``discard_step``) or the sequence is freed.
+        the step ends (``commit_step`` / ``discard_step``) or the sequence is freed. When that
+        pin would take the last block the admission needs, an evictable tail is taken instead:
+        it becomes the first fresh block as it is, no copy, no longer a tail. So a tail never
+        makes an admission fail that would fit without it.
         """
         assert seq_id not in self._seqs, f"{seq_id!r} is already admitted"
         assert num_new_tokens >= 0
         tail = hit.tail
         assert tail is None or (copies is not None and num_new_tokens > 0)
         num_fresh = self.get_num_blocks_needed(hit.num_tokens + num_new_tokens) - len(hit.blocks)
-        pinned = list(hit.blocks) + ([tail] if tail is not None else [])
-        evictable_hits = len({b.block_id for b in pinned if b.ref_cnt == 0})
+        evictable_hits = len({b.block_id for b in hit.blocks if b.ref_cnt == 0})
+        pin = tail is not None and (
+            tail.ref_cnt > 0 or self.can_allocate(num_fresh + evictable_hits + 1)
+        )
         if not self.can_allocate(num_fresh + evictable_hits):
             return False
-        self.pool.touch(pinned)
+        self.pool.touch(hit.blocks)
         blocks = list(hit.blocks)
+        if tail is not None:
+            if pin:
+                self.pool.touch([tail])  # before the allocation, which must not evict it
+            else:
+                blocks.append(self.pool.take_tail(tail))
+                num_fresh -= 1
+            self._tail_hits += 1
+            self._tail_hit_tokens += hit.num_tail_tokens
         blocks.extend(self.pool.allocate(num_fresh))
         state = _SeqState(blocks, len(hit.blocks))
         self._seqs[seq_id] = state
-        if tail is not None:
+        if tail is not None and pin:
             assert copies is not None
             copies.append((tail.block_id, blocks[len(hit.blocks)].block_id))
             state.pinned_tail = tail
             self._pinned.append(state)
-            self._tail_hits += 1
-            self._tail_hit_tokens += hit.num_tail_tokens
         self._query_tokens += hit.num_query_tokens
         self._hit_tokens += hit.num_tokens
         return True
