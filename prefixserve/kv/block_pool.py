@@ -15,7 +15,8 @@ the block is handed out as a fresh one.
 A *tail* (``prefixserve.kv.partial_tail``) is the partial last block of a finished sequence:
 ``tail_key`` names the prefix before it, ``token_ids`` its computed tokens (fewer than a block).
 ``_tails`` indexes them by key. A tail is never written: a request that reuses it copies it into
-a fresh block, and holds a reference to it (a pin, not a table entry) until that copy ran.
+a fresh block, and holds a reference to it (a pin, not a table entry) until that copy ran; or,
+short of blocks, takes it (``take_tail``: then it is a plain used block).
 
 With a ``KVEventRecorder``, every change to the set of registered hashes is reported as it
 happens (a hash registered, evicted, or all of them cleared), so a router can mirror the cache.

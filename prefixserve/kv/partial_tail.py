@@ -17,9 +17,11 @@ finished sequence's tokens (the next turn of a chat, a Responses continuation) r
   asks the model runner to copy the tail into it (the ``block_copies`` of copy-on-write), so
   those tokens count as computed. The tail itself is never written: any number of requests
   may copy it, and it is pinned (a reference, not a table entry) until the step that copies it
-  ends, so no allocation in the same step can evict and overwrite it before the copy ran.
+  ends, so no allocation in the same step can evict and overwrite it before the copy ran. When
+  the pin would cost the last block an admission needs, the tail is taken instead: it becomes
+  the sequence's block as it is (no copy) and stops being a tail.
 * **Bounded.** A tail is one block of the pool on the same LRU as cached full blocks: it never
-  makes an allocation fail, and it is freed before its own chain's full blocks (a sequence
+  makes an allocation fail (not even the admission that reuses it), and it is freed before its own chain's full blocks (a sequence
   frees its table tail first). The tails under one key form an antichain: a tail that only
   repeats the start of another is not kept; one that extends others replaces them.
 
