@@ -103,3 +103,14 @@ def test_a_failed_step_keeps_the_tail_and_the_retry_is_exact(model):
     plain = LLM(model, block_size=BLOCK, num_kv_blocks=64, enable_prefix_caching=False)
     expected = plain.generate([follow], _greedy(6), use_tqdm=False)[0]
     assert second.outputs[0].token_ids == expected.outputs[0].token_ids
+
+
+def test_a_continuation_on_the_triton_backend_is_exact(model):
+    """The tail copy through the Triton backend's copy kernel (interpreted on CPU)."""
+    kw = dict(block_size=8, num_kv_blocks=64)
+    llm = LLM(model, attention_backend="triton", **kw)
+    _, follow, second = _continue(llm, _prompt(21, 9), 6)
+    assert second.num_cached_tokens == 21 + 6 - 1 and llm.cache_stats()["tail_hit_tokens"] == 2
+    plain = LLM(model, attention_backend="torch", enable_prefix_caching=False, **kw)
+    expected = plain.generate([follow], _greedy(6), use_tqdm=False)[0]
+    assert second.outputs[0].token_ids == expected.outputs[0].token_ids
