@@ -70,8 +70,9 @@ class KVCacheManager:
     """Block tables of live sequences over one ``BlockPool``.
 
     Invariants (checked by tests/test_kv_invariants.py): each block's ref_cnt equals the
-    number of block-table entries pointing at it; after ``append_slots`` every block a
-    sequence will write is held by that sequence alone.
+    number of block-table entries pointing at it, plus, until the step ends, one per admission
+    copying it as a partial tail; after ``append_slots`` every block a sequence will write is
+    held by that sequence alone; every tail holds the K/V of its key's prefix and its tokens.
     """
 
     def __init__(
