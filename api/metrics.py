@@ -77,6 +77,16 @@ class _EngineCollector(Collector):
         yield counter(
             "prefixserve_kv_cow_copies", "Copy-on-write block copies.", cache["cow_copies"]
         )
+        yield counter(
+            "prefixserve_prefix_cache_tail_hits",
+            "Admissions whose cached prefix ended in a partial tail block (copied, not recomputed).",
+            cache["tail_hits"],
+        )
+        yield counter(
+            "prefixserve_prefix_cache_tail_hit_tokens",
+            "Prompt tokens served from partial tail blocks (part of prefix_cache_hits).",
+            cache["tail_hit_tokens"],
+        )
         yield gauge(
             "prefixserve_num_requests_running", "Requests in the running batch.", s.num_running
         )

@@ -18,7 +18,8 @@ seeded tool result of ``--result-words`` words. Run four ways, each under its ow
 
 Per turn: ``recomputed`` = input tokens - cached tokens, against ``new`` = input tokens - the
 previous turn's input and output tokens (the optimum recomputes only those, plus the previous
-turn's partial last block); the cached share; TTFT (send to the first output event); bytes sent.
+output's last token, whose K/V was never computed); the cached share; TTFT (send to the first
+output event); bytes sent.
 The model and settings are the same; the outputs are the same at turn 0 and may differ after it
 where the prompts' token ids differ (re-rendered text need not re-tokenize as generated).
 Machine: whatever the server runs on; the client is this host. No peer server runs here

@@ -43,25 +43,32 @@ def summarize(done: list[BenchRequest], wall_s: float) -> dict:
 def optimal_hit_tokens(done: list[BenchRequest], block_size: int) -> int:
     """Prompt tokens an ideal prefix cache of unlimited size would serve for this run.
 
-    Per request: the block-aligned length of the longest prefix it shares with an earlier request
-    (the earlier prompt, or its prompt + output when it finished before this one was submitted;
-    the last output token has no KV), capped at ``len(prompt) - 1`` block-aligned, as our cache.
+    Per request, as our cache: the full blocks of the longest prefix it shares with an earlier
+    request (the earlier prompt, or its prompt + output when it finished before this one was
+    submitted; the last output token has no KV), then, from a finished request whose computed
+    tokens end in the next block, as much of that partial block as the prompt shares (a partial
+    tail, ``prefixserve.kv.partial_tail``); in all at most ``len(prompt) - 1`` tokens.
     """
     trie: dict = {}
+    tails = "tails"  # a node's key for the partial tails after it (block keys are tuples)
 
-    def insert(tokens: list[int]) -> None:
+    def insert(tokens: list[int], tail: bool = False) -> None:
         node = trie
         for i in range(len(tokens) // block_size):
             node = node.setdefault(tuple(tokens[i * block_size : (i + 1) * block_size]), {})
+        rest = tokens[len(tokens) // block_size * block_size :]
+        if tail and rest:
+            node.setdefault(tails, []).append(rest)
 
     def match(tokens: list[int]) -> int:
         node, n = trie, 0
         for i in range((len(tokens) - 1) // block_size):
-            node = node.get(tuple(tokens[i * block_size : (i + 1) * block_size]))
-            if node is None:
+            child = node.get(tuple(tokens[i * block_size : (i + 1) * block_size]))
+            if child is None:
                 break
-            n += block_size
-        return n
+            node, n = child, n + block_size
+        rest = tokens[n : min(n + block_size - 1, len(tokens) - 1)]
+        return n + max((_common_prefix(t, rest) for t in node.get(tails, ())), default=0)
 
     by_finish = sorted(done, key=lambda r: r.finish_time or 0.0)
     finished_upto = 0
@@ -72,11 +79,20 @@ def optimal_hit_tokens(done: list[BenchRequest], block_size: int) -> int:
             and (by_finish[finished_upto].finish_time or 0.0) <= req.submit_time
         ):
             prev = by_finish[finished_upto]
-            insert(prev.prompt + prev.output[:-1])
+            insert(prev.prompt + prev.output[:-1], tail=True)
             finished_upto += 1
         total += match(req.prompt)
         insert(req.prompt)
     return total
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def hit_rate(done: list[BenchRequest], block_size: int) -> dict:

@@ -78,11 +78,12 @@ class RequestLifecycle:
 
     def finish(self, request: Request, reason: str | None) -> None:
         """Finish the live sequences with ``reason`` (if given) and free every block (full ones
-        stay cached)."""
+        stay cached, and each partial last block as a tail). Only ever called after a step's
+        forward succeeded or between steps, so every computed token's K/V was written."""
         for seq in request.seqs:
             if reason is not None and not seq.is_finished:
                 seq.finish_reason = reason
-            self.kv.free(seq.seq_id)
+            self._free(request, seq)
 
     def apply(self, out: SchedulerOutput, result: SamplingResult) -> list[Request]:
         """Apply one successful step; returns the requests it touched (for their outputs),
@@ -185,7 +186,7 @@ class RequestLifecycle:
         reason = self.stop_checker.check(request, seq, token_id)
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason
-            self.kv.free(seq.seq_id)
+            self._free(request, seq)
 
     def _jump_forward(self, request: Request, seq: Sequence) -> None:
         """Append the tokens the grammar forces next, as if sampled (the next step runs them as
@@ -241,6 +242,13 @@ class RequestLifecycle:
             raise RuntimeError(f"token {token_id} was sampled, but its grammar does not allow it")
         seq.token_ids.append(token_id)
         self._hash_new_blocks(request, seq)
+
+    def _free(self, request: Request, seq: Sequence) -> None:
+        """Free a finished sequence's blocks, keeping its partial last block as a tail
+        (``prefixserve.kv.partial_tail``): its computed tokens only, never a rejected draft."""
+        self.kv.free_keeping_tail(
+            seq.seq_id, seq.token_ids, seq.block_hashes, seq.num_computed_tokens, request.extra_keys
+        )
 
     def _hash_new_blocks(self, request: Request, seq: Sequence) -> None:
         if self.enable_caching:

@@ -224,7 +224,7 @@ class Scheduler:
             group = request.live_seqs()
             if num_seqs + max(len(group), request.num_samples) > self.config.max_num_seqs:
                 break
-            admitted = self._admit(request, budget)
+            admitted = self._admit(request, budget, out.block_copies)
             if admitted is None:
                 break
             self.waiting.popleft()
@@ -256,14 +256,18 @@ class Scheduler:
             return False
         return True
 
-    def _admit(self, request: Request, budget: int) -> list[ScheduledSeq] | None:
+    def _admit(
+        self, request: Request, budget: int, copies: list[tuple[int, int]]
+    ) -> list[ScheduledSeq] | None:
         """Give every sequence of a waiting request its cached prefix and first chunk, or nothing.
 
-        A preempted beam group is recomputed up to, not including, each beam's last token; the
+        A prefix ending in a partial tail adds that tail's copy to ``copies`` (only once the whole
+        request is admitted: a rolled-back admission copies nothing). A preempted beam group is recomputed up to, not including, each beam's last token; the
         running path then runs the last tokens of all beams in one step (beams move in lockstep).
         """
         admitted: list[ScheduledSeq] = []
         hits: list[int] = []
+        tail_copies: list[tuple[int, int]] = []
         lockstep = request.is_beam_search and len(request.live_seqs()) > 1
         for seq in request.live_seqs():
             hit = self._lookup(request, seq)
@@ -273,13 +277,14 @@ class Scheduler:
             if (n <= 0 and not lockstep) or chunked_out:
                 self._roll_back(admitted)
                 return None
-            if not self.kv.allocate_for_prompt(seq.seq_id, hit, n):
+            if not self.kv.allocate_for_prompt(seq.seq_id, hit, n, tail_copies):
                 self._roll_back(admitted)
                 return None
             seq.num_computed_tokens = hit.num_tokens
             admitted.append(ScheduledSeq(request, seq, n))
             hits.append(hit.num_tokens)
             budget -= n
+        copies.extend(tail_copies)
         for sched in admitted:  # only now: a rolled-back admission must register nothing
             self._cache_blocks(sched.seq, sched.seq.num_computed_tokens + sched.num_new_tokens)
         if request.num_cached_tokens is None:  # prompt tokens only: not jump-forward text
@@ -294,9 +299,12 @@ class Scheduler:
 
     def _lookup(self, request: Request, seq: Sequence) -> PrefixHit:
         """The cached prefix ``seq`` may start from; none for a request that scores its prompt
-        (``prompt_logprobs``: a cached block has no logits, so every position is computed)."""
+        (``prompt_logprobs``: a cached block has no logits, so every position is computed).
+        Beam groups stop at full blocks: a beam readmitted in lockstep may run no token in its
+        first step, so a tail copied for it would not run with that step."""
         use = self.enable_caching and request.num_prompt_logprobs is None
-        return self.kv.lookup(seq.token_ids, seq.block_hashes if use else [])
+        extra_keys = request.extra_keys if use and not request.is_beam_search else None
+        return self.kv.lookup(seq.token_ids, seq.block_hashes if use else [], extra_keys)
 
     def _reorder_waiting_by_prefix(self) -> None:
         """Sort the head of the queue by cached prefix length plus aging (``prefix`` policy)."""

@@ -26,4 +26,9 @@ def test_agent_protocols_quick(tmp_path):
             assert by[(way, turn)]["recomputed"] <= by[("chat", turn)]["recomputed"]
             assert by[(way, turn)]["bytes_sent"] < by[("responses_full", turn)]["bytes_sent"]
         assert by[("responses_chain", turn)]["cached_share"] > 0.5
+    # a token-exact continuation recomputes its new tokens and the previous output's last token
+    # (never fed to the model): every other token, the partial last block's too, is cached
+    for row in rows:
+        if row["way"] in ("responses_chain", "responses_ws") and row["turn"] > 0:
+            assert row["recomputed"] == row["new"] + 1, row
     assert (tmp_path / "agent_protocols.json").exists()

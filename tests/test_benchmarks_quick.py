@@ -43,13 +43,19 @@ def test_optimal_hit_tokens_counts_earlier_prompts_and_finished_outputs() -> Non
     a.output = [90, 91, 92, 93]
     # shares 32 tokens with a's prompt; its own prompt is 48 tokens long, so up to 32 cached.
     b = bench_model.BenchRequest("b", list(range(32)) + [7] * 16, 4, submit_time=0.5)
-    # submitted after a finished: a's prompt + output[:-1] (43 tokens) is there; capped at 48.
+    # submitted after a finished: a's prompt + output[:-1] (43 tokens) is there, 2 full blocks
+    # and a partial tail of 11 tokens
     c = bench_model.BenchRequest(
         "c", list(range(40)) + [90, 91, 92, 93] + [5] * 20, 4, submit_time=2.0
     )
-    for r in (b, c):
+    # also after a finished, diverging inside a's tail: 2 blocks + 4 tokens; b's prompt left no tail
+    d = bench_model.BenchRequest("d", list(range(36)) + [6] * 20, 4, submit_time=2.5)
+    for r in (b, c, d):
         r.finish_time = 3.0
-    assert report.optimal_hit_tokens([a, b, c], block_size=16) == 0 + 32 + 32
+    assert report.optimal_hit_tokens([a, b, c, d], block_size=16) == 0 + 32 + 43 + 36
+    # capped: one prompt token is always computed
+    e = bench_model.BenchRequest("e", list(range(40)), 4, submit_time=4.0, finish_time=5.0)
+    assert report.optimal_hit_tokens([a, e], block_size=16) == 0 + 39
 
 
 def test_bench_model_main_reports_parameters(tiny_model: Path, capsys) -> None:

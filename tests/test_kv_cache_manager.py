@@ -271,6 +271,9 @@ def test_counters() -> None:
         "used_blocks": 4,
         "evictions": 0,
         "cow_copies": 0,
+        "tail_hits": 0,
+        "tail_hit_tokens": 0,
+        "tail_blocks": 0,
     }
     assert make(3).stats()["hit_rate"] == 0.0
 

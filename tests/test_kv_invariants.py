@@ -3,6 +3,9 @@
 Besides the bookkeeping invariants, the machine simulates what each physical slot holds
 (the model runner's copies, then the forward's writes) and checks that every sequence
 reads back exactly its own tokens and that every hashed block holds the KV its hash names.
+Finished sequences leave their partial last block as a tail (``free_keeping_tail``), and
+admissions copy tails (``lookup`` with extra keys): every tail must hold the KV its key and
+tokens name.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from prefixserve.kv.hashing import extend_block_hashes
 from prefixserve.kv.kv_cache_manager import KVCacheManager
+from prefixserve.kv.partial_tail import tail_key
 
 BS = 4
 NUM_BLOCKS = 16
@@ -36,6 +40,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         super().__init__()
         self.mgr = KVCacheManager(NUM_BLOCKS, BS, watermark=0.1)  # one block in reserve
         self.seqs: dict[int, Seq] = {}
+        self.finished: list[Seq] = []  # freed sequences, for continuations that reuse their tail
         self.slots: list[list[Slot | None]] = [[None] * BS for _ in range(NUM_BLOCKS)]
         self.next_id = 0
         self.next_unique_token = 1000
@@ -68,15 +73,17 @@ class KVCacheMachine(RuleBasedStateMachine):
         sid, self.next_id = self.next_id, self.next_id + 1
         seq = Seq(extra, list(tokens))
         extend_block_hashes(seq.tokens, BS, extra, seq.hashes)
-        hit = self.mgr.lookup(seq.tokens, seq.hashes)
+        hit = self.mgr.lookup(seq.tokens, seq.hashes, extra)
         assert hit.num_tokens < len(tokens)
         before = self.snapshot()
-        if not self.mgr.allocate_for_prompt(sid, hit, len(tokens) - hit.num_tokens):
-            assert self.snapshot() == before
+        copies: list[tuple[int, int]] = []
+        if not self.mgr.allocate_for_prompt(sid, hit, len(tokens) - hit.num_tokens, copies):
+            assert self.snapshot() == before and copies == []
             return None
         self.seqs[sid] = seq
         seq.num_computed = hit.num_tokens
-        self.forward(sid, [], len(tokens))
+        self.forward(sid, copies, len(tokens))
+        self.mgr.commit_step()
         return sid
 
     def pick(self, data: st.DataObject) -> int:
@@ -97,6 +104,24 @@ class KVCacheMachine(RuleBasedStateMachine):
         """A new request that resends a live sequence's tokens, generated ones included."""
         seq = self.seqs[self.pick(data)]
         self.admit(seq.tokens + tail, seq.extra)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), new=st.lists(st.integers(0, 2), min_size=1, max_size=4))
+    def finish_and_continue(self, data: st.DataObject, new: list[int]) -> None:
+        """A sequence finishes keeping its tail, and its next turn comes at once."""
+        sid = self.pick(data)
+        seq = self.seqs.pop(sid)
+        self.finished.append(seq)
+        self.mgr.free_keeping_tail(sid, seq.tokens, seq.hashes, seq.num_computed, seq.extra)
+        self.admit(seq.tokens + new, seq.extra)
+
+    @precondition(lambda self: self.finished)
+    @rule(data=st.data(), keep=st.integers(0, 3), tail=st.lists(st.integers(0, 2), max_size=4))
+    def continue_finished(self, data: st.DataObject, keep: int, tail: list[int]) -> None:
+        """The next turn of a freed sequence (minus up to ``keep`` last tokens): hits its tail."""
+        seq = data.draw(st.sampled_from(self.finished))
+        tokens = seq.tokens[: max(1, len(seq.tokens) - keep)] + tail
+        self.admit(tokens, seq.extra)
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data(), new=st.lists(st.integers(0, 2), min_size=1, max_size=6))
@@ -123,11 +148,15 @@ class KVCacheMachine(RuleBasedStateMachine):
         )
 
     @precondition(lambda self: self.seqs)
-    @rule(data=st.data())
-    def free(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), keep_tail=st.booleans())
+    def free(self, data: st.DataObject, keep_tail: bool) -> None:
         sid = self.pick(data)
-        self.mgr.free(sid)
-        del self.seqs[sid]
+        seq = self.seqs.pop(sid)
+        self.finished.append(seq)
+        if keep_tail:
+            self.mgr.free_keeping_tail(sid, seq.tokens, seq.hashes, seq.num_computed, seq.extra)
+        else:
+            self.mgr.free(sid)
 
     @rule(length=st.integers(4, 40))
     def pressure(self, length: int) -> None:
@@ -148,7 +177,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def counts_add_up(self) -> None:
         pool = self.mgr.pool
         assert pool.num_free_blocks + pool.num_cached_blocks + pool.num_used_blocks == NUM_BLOCKS
-        free = sum(b.ref_cnt == 0 and b.block_hash is None for b in pool.blocks)
+        free = sum(b.ref_cnt == 0 and b.block_hash is None and not b.is_tail for b in pool.blocks)
         assert free == pool.num_free_blocks
 
     @invariant()
@@ -166,8 +195,29 @@ class KVCacheMachine(RuleBasedStateMachine):
         }
         lru = pool.lru_block_ids()
         assert sorted(lru) == [
-            b.block_id for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None
+            b.block_id
+            for b in pool.blocks
+            if b.ref_cnt == 0 and (b.block_hash is not None or b.is_tail)
         ]
+        tails = pool.tail_blocks()
+        assert {b.block_id for b in tails} == {b.block_id for b in pool.blocks if b.is_tail}
+        assert all(b.block_hash is None and b.ref_cnt == 0 for b in tails)  # no step in flight
+
+    @invariant()
+    def tails_hold_what_their_key_names(self) -> None:
+        """Slot i of a tail holds token i of it, after the prefix its key names."""
+        for block in self.mgr.pool.tail_blocks():
+            assert block.token_ids and 0 < len(block.token_ids) < BS
+            n = len(block.token_ids)
+            extra, prefix = self.slots[block.block_id][n - 1]
+            assert prefix[-n:] == block.token_ids
+            for i in range(n):
+                assert self.slots[block.block_id][i] == (extra, prefix[: len(prefix) - n + i + 1])
+            full = prefix[: len(prefix) - n]
+            assert len(full) % BS == 0
+            hashes: list[int] = []
+            extend_block_hashes(full, BS, extra, hashes)
+            assert block.tail_key == tail_key(hashes[-1] if hashes else None, extra)
 
     @invariant()
     def hashed_blocks_hold_what_their_hash_names(self) -> None:

@@ -254,7 +254,8 @@ def test_failed_forward_fails_its_requests_and_poisons_no_cache():
             assert failed.status_code == 500 and "device fault" in failed.text
             first, second = [await c.post("/v1/completions", json=body) for _ in range(2)]
             assert first.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-            assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+            # the first run's full blocks and its partial tail: all but the last prompt token
+            assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 99
             texts.extend(r.json()["choices"][0]["text"] for r in (first, second))
             await wait_idle(engine)
             assert engine.dead is None

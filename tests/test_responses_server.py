@@ -84,6 +84,7 @@ def test_forced_tool_call_then_token_exact_continuation(server, client):
     assert call.type == "function_call" and call.name == "get_weather"
     assert call.call_id.startswith("call_") and call.arguments in ('{"city": "Paris"}',
                                                                    '{"city": "Oslo"}')
+    tail_tokens = metric(scrape(server), "prefixserve_prefix_cache_tail_hit_tokens_total")
     second = client.responses.create(
         model=MODEL, previous_response_id=first.id, tools=WEATHER, tool_choice="none",
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
@@ -92,9 +93,12 @@ def test_forced_tool_call_then_token_exact_continuation(server, client):
     after = continuations(server)
     assert after["token_exact"] == before["token_exact"] + 1
     assert after["rerendered"] == before["rerendered"]
-    # every full block of the previous prompt and output (its last token is never run) is hit
+    # every token of the previous prompt and output is hit but the last (never run): the full
+    # blocks and the partial tail after them
     previous = first.usage.input_tokens + first.usage.output_tokens - 1
-    assert second.usage.input_tokens_details.cached_tokens >= previous // BLOCK * BLOCK
+    assert second.usage.input_tokens_details.cached_tokens == previous
+    tail_after = metric(scrape(server), "prefixserve_prefix_cache_tail_hit_tokens_total")
+    assert tail_after - tail_tokens == previous % BLOCK
     assert second.previous_response_id == first.id
 
 

@@ -2,15 +2,21 @@
 
 Every block is in exactly one of three states::
 
-    state     ref_cnt  block_hash  lives in
-    free      0        None        _free_ids (FIFO, handed out first)
-    cached    0        set         _lru      (evictable, least recently used first)
-    used      > 0      either      one or more block tables
+    state     ref_cnt  identity             lives in
+    free      0        none                 _free_ids (FIFO, handed out first)
+    cached    0        block_hash or tail   _lru      (evictable, least recently used first)
+    used      > 0      any                  one or more block tables (or pinned, see below)
 
 so ``num_free_blocks + num_cached_blocks + num_used_blocks == num_blocks`` always.
 ``_hash_to_block`` maps each registered hash to the one block carrying it, used or cached.
-A block needed while no free one is left evicts the LRU head: its hash is unregistered and
+A block needed while no free one is left evicts the LRU head: its identity is dropped and
 the block is handed out as a fresh one.
+
+A *tail* (``prefixserve.kv.partial_tail``) is the partial last block of a finished sequence:
+``tail_key`` names the prefix before it, ``token_ids`` its computed tokens (fewer than a block).
+``_tails`` indexes them by key. A tail is never written: a request that reuses it copies it into
+a fresh block, and holds a reference to it (a pin, not a table entry) until that copy ran; or,
+short of blocks, takes it (``take_tail``: then it is a plain used block).
 
 With a ``KVEventRecorder``, every change to the set of registered hashes is reported as it
 happens (a hash registered, evicted, or all of them cleared), so a router can mirror the cache.
@@ -25,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from prefixserve.errors import InvalidArgumentError
 from prefixserve.kv.hashing import BlockHash
+from prefixserve.kv.partial_tail import common_prefix_len
 
 if TYPE_CHECKING:
     from prefixserve.kv_events import KVEventRecorder
@@ -35,13 +42,19 @@ class KVBlock:
     """One physical block of ``block_size`` KV slots.
 
     ``token_ids`` is stored with ``block_hash`` so that a lookup compares the tokens too:
-    a hash collision can never return a block holding other tokens.
+    a hash collision can never return a block holding other tokens. A tail block has no
+    ``block_hash`` but a ``tail_key``, and ``token_ids`` holds its (fewer) computed tokens.
     """
 
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
     token_ids: tuple[int, ...] | None = None
+    tail_key: BlockHash | None = None
+
+    @property
+    def is_tail(self) -> bool:
+        return self.tail_key is not None
 
 
 class BlockPool:
@@ -63,6 +76,8 @@ class BlockPool:
         self._free_ids: deque[int] = deque(range(num_blocks))
         self._lru: OrderedDict[int, KVBlock] = OrderedDict()
         self._hash_to_block: dict[BlockHash, KVBlock] = {}
+        self._tails: dict[BlockHash, list[KVBlock]] = {}
+        self._num_tails = 0
         self.evictions = 0
         self.cow_copies = 0
         self.kv_events = kv_events
@@ -76,6 +91,11 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         """Blocks with ref_cnt 0 that still carry a hash (evictable)."""
         return len(self._lru)
+
+    @property
+    def num_tail_blocks(self) -> int:
+        """Blocks registered as tails (cached, or pinned by a copy in flight)."""
+        return self._num_tails
 
     @property
     def num_used_blocks(self) -> int:
@@ -116,13 +136,17 @@ class BlockPool:
         return out
 
     def _evict(self, block: KVBlock) -> None:
-        assert block.block_hash is not None and block.ref_cnt == 0
+        assert block.ref_cnt == 0
+        self.evictions += 1
+        if block.is_tail:
+            self._unindex_tail(block)
+            return
+        assert block.block_hash is not None
         if self.kv_events is not None:
             self.kv_events.on_block_removed(block.block_hash)
         del self._hash_to_block[block.block_hash]
         block.block_hash = None
         block.token_ids = None
-        self.evictions += 1
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference to each block, in order.
@@ -134,7 +158,7 @@ class BlockPool:
             assert block.ref_cnt > 0, f"block {block.block_id} freed more often than held"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if block.block_hash is None:
+                if block.block_hash is None and not block.is_tail:
                     self._free_ids.append(block.block_id)
                 else:
                     self._lru[block.block_id] = block
@@ -144,7 +168,7 @@ class BlockPool:
         lru = self._lru
         for block in blocks:
             if block.ref_cnt == 0:
-                assert block.block_hash is not None, "touching a free block"
+                assert block.block_hash is not None or block.is_tail, "touching a free block"
                 del lru[block.block_id]
             block.ref_cnt += 1
 
@@ -202,13 +226,82 @@ class BlockPool:
             self.kv_events.on_block_stored(block_hash, parent_hash, block.token_ids)
         return True
 
+    # ---- tails -------------------------------------------------------------------------------
+
+    def cache_tail(self, block: KVBlock, tail_key: BlockHash, token_ids: Sequence[int]) -> bool:
+        """Register the partial last block of a sequence about to free it (its only holder) as a
+        tail of ``token_ids`` under ``tail_key``; True if it was registered.
+
+        The tails under one key stay an antichain: a tail whose tokens begin another's adds
+        nothing (not registered); one that extends others replaces them (they become free).
+        """
+        assert block.ref_cnt == 1 and block.block_hash is None and not block.is_tail
+        tokens = tuple(token_ids)
+        assert tokens, "an empty tail"
+        if not self.enable_caching:
+            return False
+        tails = self._tails.get(tail_key, [])
+        if any(common_prefix_len(t.token_ids, tokens) == len(tokens) for t in tails):
+            return False
+        for old in [t for t in tails if common_prefix_len(t.token_ids, tokens) == len(t.token_ids)]:
+            self.drop_tail(old)
+        block.tail_key = tail_key
+        block.token_ids = tokens
+        self._tails.setdefault(tail_key, []).append(block)
+        self._num_tails += 1
+        return True
+
+    def match_tail(
+        self, tail_key: BlockHash, token_ids: Sequence[int]
+    ) -> tuple[KVBlock | None, int]:
+        """The tail under ``tail_key`` sharing the longest common prefix with ``token_ids``, and
+        that prefix's length (None, 0 when none shares a first token). Changes nothing."""
+        best, best_len = None, 0
+        for tail in self._tails.get(tail_key, ()):
+            n = common_prefix_len(tail.token_ids, token_ids)
+            if n > best_len:
+                best, best_len = tail, n
+        return best, best_len
+
+    def take_tail(self, block: KVBlock) -> KVBlock:
+        """Hand out a cached tail as a used block (ref_cnt 1) keeping its K/V; no longer a tail."""
+        assert block.is_tail and block.ref_cnt == 0
+        self._unindex_tail(block)
+        del self._lru[block.block_id]
+        block.ref_cnt = 1
+        return block
+
+    def drop_tail(self, block: KVBlock) -> None:
+        """Forget a tail; a cached one (ref_cnt 0) becomes free, a pinned one when unpinned."""
+        self._unindex_tail(block)
+        if block.ref_cnt == 0:
+            del self._lru[block.block_id]
+            self._free_ids.append(block.block_id)
+
+    def _unindex_tail(self, block: KVBlock) -> None:
+        assert block.tail_key is not None
+        tails = self._tails[block.tail_key]
+        tails.remove(block)
+        if not tails:
+            del self._tails[block.tail_key]
+        block.tail_key = None
+        block.token_ids = None
+        self._num_tails -= 1
+
+    def tail_blocks(self) -> list[KVBlock]:
+        """Every tail block (for tests and debugging)."""
+        return [block for tails in self._tails.values() for block in tails]
+
     def reset_prefix_cache(self) -> bool:
-        """Drop every hash. Refused (False) while any block is in use."""
+        """Drop every hash and tail. Refused (False) while any block is in use."""
         if self.num_used_blocks > 0:
             return False
         for block in self.blocks:
             block.block_hash = None
             block.token_ids = None
+            block.tail_key = None
+        self._tails.clear()
+        self._num_tails = 0
         self._hash_to_block.clear()
         self._lru.clear()
         self._free_ids = deque(range(self.num_blocks))

@@ -20,6 +20,10 @@ They are registered when the step is scheduled (a request admitted later in that
 the forward writes every layer's K/V before any query reads it), and journaled until the step
 ends: ``commit_step`` keeps them, ``discard_step`` (the forward raised, so their K/V was never
 written) unregisters every one, so no later request reads a block that holds nothing.
+
+A finished sequence freed with ``free_keeping_tail`` leaves its partial last block behind as a
+tail; a later ``lookup`` with ``extra_keys`` may end in one, and ``allocate_for_prompt`` then
+adds a copy of it to the step's block copies (``prefixserve.kv.partial_tail``).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from typing import TYPE_CHECKING
 
 from prefixserve.errors import InvalidArgumentError
 from prefixserve.kv.block_pool import BlockPool, KVBlock
-from prefixserve.kv.hashing import BlockHash
+from prefixserve.kv.hashing import BlockHash, ExtraKeys
+from prefixserve.kv.partial_tail import tail_key
 
 if TYPE_CHECKING:
     from prefixserve.kv_events import KVEventRecorder
@@ -42,26 +47,32 @@ SeqId = Hashable
 class PrefixHit:
     """The longest cached prefix of a prompt; no side effects until ``allocate_for_prompt``.
 
-    Valid until the next call that can evict (an allocation, ``reset_prefix_cache``).
+    ``num_tokens`` counts the full ``blocks`` and then ``num_tail_tokens`` tokens of ``tail``
+    (a partial block, copied at admission). Valid until the next call that can evict (an
+    allocation, ``reset_prefix_cache``).
     """
 
     blocks: list[KVBlock]
     num_tokens: int
     num_query_tokens: int
+    tail: KVBlock | None = None
+    num_tail_tokens: int = 0
 
 
 @dataclass(slots=True)
 class _SeqState:
     blocks: list[KVBlock]
     num_registered: int  # leading blocks already looked at by cache_full_blocks
+    pinned_tail: KVBlock | None = None  # the tail copied into blocks[num_registered] this step
 
 
 class KVCacheManager:
     """Block tables of live sequences over one ``BlockPool``.
 
     Invariants (checked by tests/test_kv_invariants.py): each block's ref_cnt equals the
-    number of block-table entries pointing at it; after ``append_slots`` every block a
-    sequence will write is held by that sequence alone.
+    number of block-table entries pointing at it, plus, until the step ends, one per admission
+    copying it as a partial tail; after ``append_slots`` every block a sequence will write is
+    held by that sequence alone; every tail holds the K/V of its key's prefix and its tokens.
     """
 
     def __init__(
@@ -87,8 +98,11 @@ class KVCacheManager:
         # this step's registrations: the blocks, and each sequence's num_registered before it
         self._step_blocks: list[tuple[KVBlock, BlockHash]] = []
         self._step_states: dict[int, tuple[_SeqState, int]] = {}
+        self._pinned: list[_SeqState] = []  # sequences whose tail copy runs with this step
         self._query_tokens = 0
         self._hit_tokens = 0
+        self._tail_hits = 0
+        self._tail_hit_tokens = 0
 
     def get_num_blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens."""
@@ -98,11 +112,18 @@ class KVCacheManager:
         """Whether ``num_blocks`` fresh blocks fit while keeping the watermark in reserve."""
         return self.pool.num_available_blocks - num_blocks >= self.watermark_blocks
 
-    def lookup(self, token_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> PrefixHit:
-        """Longest cached prefix of full blocks whose hash and tokens both match.
+    def lookup(
+        self,
+        token_ids: Sequence[int],
+        block_hashes: Sequence[BlockHash],
+        extra_keys: ExtraKeys | None = None,
+    ) -> PrefixHit:
+        """Longest cached prefix of full blocks whose hash and tokens both match, then, given the
+        prompt's ``extra_keys``, the tail after them sharing most of the following tokens.
 
         Capped so that at least one token is computed: a prompt of exactly k blocks hits at
-        most k - 1. Changes no ref count and no counter.
+        most k - 1 blocks and then at most ``block_size - 1`` tail tokens. Changes no ref count
+        and no counter.
         """
         num_query = len(token_ids)
         if not self.enable_prefix_caching:
@@ -119,25 +140,61 @@ class KVCacheManager:
                 break
             blocks.append(block)
             start += bs
-        return PrefixHit(blocks, start, num_query)
+        max_tail = min(bs - 1, num_query - 1 - start)
+        if extra_keys is None or max_tail <= 0:
+            return PrefixHit(blocks, start, num_query)
+        parent = block_hashes[len(blocks) - 1] if blocks else None
+        key = tail_key(parent, extra_keys)
+        tail, n = self.pool.match_tail(key, token_ids[start : start + max_tail])
+        return PrefixHit(blocks, start + n, num_query, tail, n)
 
-    def allocate_for_prompt(self, seq_id: SeqId, hit: PrefixHit, num_new_tokens: int) -> bool:
+    def allocate_for_prompt(
+        self,
+        seq_id: SeqId,
+        hit: PrefixHit,
+        num_new_tokens: int,
+        copies: list[tuple[int, int]] | None = None,
+    ) -> bool:
         """Admit a new sequence: its table is ``hit.blocks`` plus fresh blocks for the
         ``num_new_tokens`` tokens that follow the hit. Keeps the watermark in reserve.
 
-        Returns False, having changed nothing, when the blocks do not fit. The hit ends on a block
-        boundary, so no block of it is ever written: admission needs no copy-on-write.
+        Returns False, having changed nothing, when the blocks do not fit. The full blocks of
+        the hit are never written. A hit ending in a tail appends ``(tail, first fresh block)``
+        to ``copies`` (the model runner copies it before the forward) and pins the tail until
+        the step ends (``commit_step`` / ``discard_step``) or the sequence is freed. When that
+        pin would take the last block the admission needs, an evictable tail is taken instead:
+        it becomes the first fresh block as it is, no copy, no longer a tail. So a tail never
+        makes an admission fail that would fit without it.
         """
         assert seq_id not in self._seqs, f"{seq_id!r} is already admitted"
         assert num_new_tokens >= 0
+        tail = hit.tail
+        assert tail is None or (copies is not None and num_new_tokens > 0)
         num_fresh = self.get_num_blocks_needed(hit.num_tokens + num_new_tokens) - len(hit.blocks)
         evictable_hits = len({b.block_id for b in hit.blocks if b.ref_cnt == 0})
+        pin = tail is not None and (
+            tail.ref_cnt > 0 or self.can_allocate(num_fresh + evictable_hits + 1)
+        )
         if not self.can_allocate(num_fresh + evictable_hits):
             return False
         self.pool.touch(hit.blocks)
         blocks = list(hit.blocks)
+        if tail is not None:
+            if pin:
+                self.pool.touch([tail])  # before the allocation, which must not evict it
+            else:
+                blocks.append(self.pool.take_tail(tail))
+                num_fresh -= 1
+            self._tail_hits += 1
+            self._tail_hit_tokens += hit.num_tail_tokens
         blocks.extend(self.pool.allocate(num_fresh))
-        self._seqs[seq_id] = _SeqState(blocks, len(hit.blocks))
+        state = _SeqState(blocks, len(hit.blocks))
+        self._seqs[seq_id] = state
+        if tail is not None and pin:
+            assert copies is not None
+            copies.append((tail.block_id, blocks[len(hit.blocks)].block_id))
+            state.pinned_tail = tail
+            self._pinned.append(state)
         self._query_tokens += hit.num_query_tokens
         self._hit_tokens += hit.num_tokens
         return True
@@ -217,9 +274,13 @@ class KVCacheManager:
             del state.blocks[keep:]
 
     def commit_step(self) -> None:
-        """The step's forward wrote its K/V: its registrations stand."""
+        """The step's forward wrote its K/V: its registrations stand, its tail copies ran (their
+        tails are unpinned)."""
         self._step_blocks.clear()
         self._step_states.clear()
+        for state in self._pinned:
+            self._unpin(state)
+        self._pinned.clear()
 
     def discard_step(self) -> None:
         """The step's forward failed: unregister every block it registered (newest first) and
@@ -229,7 +290,7 @@ class KVCacheManager:
                 self.pool.uncache_block(block)
         for state, num_registered in self._step_states.values():
             state.num_registered = num_registered
-        self.commit_step()
+        self.commit_step()  # the copies from pinned tails are simply not needed any more
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
         """The child shares every block of the parent (ref_cnt + 1 each)."""
@@ -242,7 +303,36 @@ class KVCacheManager:
         """Release the sequence's blocks, tail first so chain tails are evicted before heads."""
         state = self._seqs.pop(seq_id, None)
         if state is not None:
+            self._unpin(state)
             self.pool.free(reversed(state.blocks))
+
+    def free_keeping_tail(
+        self,
+        seq_id: SeqId,
+        token_ids: Sequence[int],
+        block_hashes: Sequence[BlockHash],
+        num_computed_tokens: int,
+        extra_keys: ExtraKeys,
+    ) -> None:
+        """``free`` a finished sequence, first making its partial last block a tail: the tokens
+        ``num_computed_tokens // block_size * block_size .. num_computed_tokens - 1``, whose
+        K/V a successful forward wrote. Nothing is kept if that block is shared (a fork still
+        writes it), if no token is past the last full block, or with prefix caching off.
+
+        The caller guarantees the K/V: only after a step's forward succeeded or between steps,
+        never for a sequence of a failed step (``Scheduler.abandon_step`` uses ``free``).
+        """
+        state = self._seqs.get(seq_id)
+        if state is not None and self.enable_prefix_caching:
+            bs = self.block_size
+            num_full, num_tail = divmod(num_computed_tokens, bs)
+            if num_tail > 0 and num_full < len(state.blocks):
+                block = state.blocks[num_full]
+                if block.ref_cnt == 1 and block.block_hash is None:
+                    parent = block_hashes[num_full - 1] if num_full > 0 else None
+                    tokens = token_ids[num_full * bs : num_computed_tokens]
+                    self.pool.cache_tail(block, tail_key(parent, extra_keys), tokens)
+        self.free(seq_id)
 
     def get_block_table(self, seq_id: SeqId) -> list[int]:
         return [block.block_id for block in self._require(seq_id).blocks]
@@ -267,7 +357,15 @@ class KVCacheManager:
             "used_blocks": self.pool.num_used_blocks,
             "evictions": self.pool.evictions,
             "cow_copies": self.pool.cow_copies,
+            "tail_hits": self._tail_hits,
+            "tail_hit_tokens": self._tail_hit_tokens,
+            "tail_blocks": self.pool.num_tail_blocks,
         }
+
+    def _unpin(self, state: _SeqState) -> None:
+        if state.pinned_tail is not None:
+            self.pool.free([state.pinned_tail])
+            state.pinned_tail = None
 
     def _require(self, seq_id: SeqId) -> _SeqState:
         state = self._seqs.get(seq_id)
