@@ -262,8 +262,9 @@ class Scheduler:
         """Give every sequence of a waiting request its cached prefix and first chunk, or nothing.
 
         A prefix ending in a partial tail adds that tail's copy to ``copies`` (only once the whole
-        request is admitted: a rolled-back admission copies nothing). A preempted beam group is recomputed up to, not including, each beam's last token; the
-        running path then runs the last tokens of all beams in one step (beams move in lockstep).
+        request is admitted: a rolled-back admission copies nothing). A preempted beam group is
+        recomputed up to, not including, each beam's last token; the running path then runs the
+        last tokens of all beams in one step (beams move in lockstep).
         """
         admitted: list[ScheduledSeq] = []
         hits: list[int] = []
