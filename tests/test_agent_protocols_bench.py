@@ -19,7 +19,7 @@ def test_agent_protocols_quick(tmp_path):
     rows = result["rows"]
     assert len(rows) == len(agent_protocols.WAYS) * 2 * 3  # ways x agents x turns
     # chain: 2 agents x 2 continued turns; WebSocket: the same plus each agent's warm-up
-    assert result["continuations"] == {"token_exact": 10.0, "rerendered": 0.0}
+    assert result["continuations"] == {"token_exact": 10.0, "rerendered": 0.0, "truncated": 0.0}
     by = {(s["way"], s["turn"]): s for s in result["summary"]}
     for turn in (1, 2):
         for way in ("responses_chain", "responses_ws"):
