@@ -190,3 +190,18 @@ def test_llama_server_streams_exactly_max_tokens() -> None:
         result = asyncio.run(go())
     assert result.completion_tokens == 12
     assert result.timings is not None and result.timings["predicted_n"] == 12
+
+
+def test_speculative_peer_status_reads_the_builds_help(tmp_path, monkeypatch) -> None:
+    import speculative
+
+    monkeypatch.setenv("PREFIXSERVE_LLAMA_CPP_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    binary, status = speculative.peer_status()
+    assert binary is None and "not built" in status
+    bin_dir = tmp_path / "cache" / "build" / "bin"
+    _fake_binary(bin_dir, "llama-server", "echo '--spec-type none,draft-simple'\n")
+    binary, status = speculative.peer_status()
+    assert binary == str(bin_dir / "llama-server") and "no n-gram speculation" in status
+    _fake_binary(bin_dir, "llama-server", "echo '--spec-type none,ngram-simple,ngram-mod'\n")
+    assert "ngram-simple" in speculative.peer_status()[1]
