@@ -29,7 +29,9 @@ started here on ``--peer-gguf`` (default: SmolLM2's shipped Q4_1 file, the same 
 ``prefixserve serve smollm2``, which keeps Q4_1 exactly), one slot per agent, ``--threads``
 threads, runs the ``chat`` way as ``llama_chat``: the full history each turn, its own per-slot
 prompt cache (``cached_tokens`` is its ``prompt_tokens_details.cached_tokens``). It applies to
-chat completions only: it keeps no responses by id.
+chat completions only: it keeps no responses by id. A model whose chat template has no tools
+(SmolLM2) makes llama-server ignore ``tool_choice`` "required" and answer in text; such turns are
+counted and printed (``tool_call`` false in the rows).
 
 Writes ``agent_protocols.json`` under ``--out-dir`` and prints a markdown table.
 """
@@ -185,6 +187,7 @@ class Agent:
                         call["arguments"] += function.get("arguments") or ""
         self._row(turn, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"],
                   usage["completion_tokens"], ttft or 0.0, len(data))  # fmt: skip
+        self.rows[-1]["tool_call"] = bool(call["name"])
         self.messages.append({"role": "assistant", "content": None, "tool_calls": [
             {"id": call["id"], "type": "function",
              "function": {"name": call["name"], "arguments": call["arguments"]}}]})  # fmt: skip
@@ -281,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--arg-chars", type=int, default=24)
     parser.add_argument("--result-words", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
+    parser.add_argument("--ways", nargs="*", choices=WAYS, default=list(WAYS))
     parser.add_argument("--out-dir", default=str(RESULTS_DIR))
     parser.add_argument("--quick", action="store_true", help="2 agents x 3 turns")
     parser.add_argument("--llama-server", action="store_true", help="also run llama_chat")
@@ -309,6 +312,11 @@ def main(argv: list[str] | None = None) -> dict:
     }  # fmt: skip
     write_json(result, Path(args.out_dir) / "agent_protocols.json")
     print(markdown(summary))
+    missed = [r for r in rows if r.get("tool_call") is False]
+    if missed:
+        ways = sorted({r["way"] for r in missed})
+        print(f"{len(missed)} chat turns ({', '.join(ways)}) returned text, not a tool call "
+              "(tool_choice 'required' not honoured): their history holds an empty call")  # fmt: skip
     print(f"continuations: {result['continuations']}")
     return result
 
