@@ -22,9 +22,17 @@ output's last token, whose K/V was never computed); the cached share; TTFT (send
 output event); bytes sent.
 The model and settings are the same; the outputs are the same at turn 0 and may differ after it
 where the prompts' token ids differ (re-rendered text need not re-tokenize as generated).
-Machine: whatever the server runs on; the client is this host. No peer server runs here
-(llama.cpp's ``llama-server`` is not installed); ``responses_full`` and ``chat`` are the
-re-rendering that vLLM, SGLang and Ollama do for every request.
+Machine: whatever the server runs on; the client is this host. ``responses_full`` and ``chat``
+are the re-rendering that vLLM, SGLang and Ollama do for every request.
+
+Peer (``--llama-server``): llama.cpp's ``llama-server`` (``benchmarks/peers/build_llama_server.sh``)
+started here on ``--peer-gguf`` (default: SmolLM2's shipped Q4_1 file, the same weights as
+``prefixserve serve smollm2``, which keeps Q4_1 exactly), one slot per agent, ``--threads``
+threads, runs the ``chat`` way as ``llama_chat``: the full history each turn, its own per-slot
+prompt cache (``cached_tokens`` is its ``prompt_tokens_details.cached_tokens``). It applies to
+chat completions only: it keeps no responses by id. A model whose chat template has no tools
+(SmolLM2) makes llama-server ignore ``tool_choice`` "required" and answer in text; such turns are
+counted and printed (``tool_call`` false in the rows).
 
 Writes ``agent_protocols.json`` under ``--out-dir`` and prints a markdown table.
 """
@@ -45,6 +53,7 @@ from report import write_json
 from workloads import WORDS
 
 WAYS = ("responses_chain", "responses_ws", "responses_full", "chat")
+PEER_WAY = "llama_chat"  # the chat way against llama-server
 INSTRUCTIONS = "You are an operations agent. Call the tool until the task is done. " * 4
 
 
@@ -85,7 +94,7 @@ class Agent:
     async def run(self) -> None:
         new_items = list(self.items)
         for turn in range(self.args.turns):
-            if self.way == "chat":
+            if self.way in ("chat", PEER_WAY):
                 call = await self._chat_turn(turn)
             else:
                 call = await self._responses_turn(turn, new_items)
@@ -179,6 +188,7 @@ class Agent:
                         call["arguments"] += function.get("arguments") or ""
         self._row(turn, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"],
                   usage["completion_tokens"], ttft or 0.0, len(data))  # fmt: skip
+        self.rows[-1]["tool_call"] = bool(call["name"])
         self.messages.append({"role": "assistant", "content": None, "tool_calls": [
             {"id": call["id"], "type": "function",
              "function": {"name": call["name"], "arguments": call["arguments"]}}]})  # fmt: skip
@@ -201,8 +211,8 @@ async def _check(reply: httpx.Response) -> None:
         raise RuntimeError(f"HTTP {reply.status_code}: {(await reply.aread()).decode()}")
 
 
-async def run_way(args: argparse.Namespace, way: str) -> list[dict]:
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=600) as client:
+async def run_way(args: argparse.Namespace, way: str, base_url: str | None = None) -> list[dict]:
+    async with httpx.AsyncClient(base_url=base_url or args.base_url, timeout=600) as client:
         agents = [Agent(args, way, i, client) for i in range(args.agents)]
         try:
             await asyncio.gather(*(agent.run() for agent in agents))
@@ -216,7 +226,7 @@ async def run_way(args: argparse.Namespace, way: str) -> list[dict]:
 def summarize(rows: list[dict]) -> list[dict]:
     """Per way and turn: means over agents (TTFT: median)."""
     out = []
-    keys = sorted({(r["way"], r["turn"]) for r in rows}, key=lambda k: (WAYS.index(k[0]), k[1]))
+    keys = sorted({(r["way"], r["turn"]) for r in rows}, key=lambda k: ((*WAYS, PEER_WAY).index(k[0]), k[1]))
     for way, turn in keys:
         mine = [r for r in rows if r["way"] == way and r["turn"] == turn]
 
@@ -253,6 +263,19 @@ async def continuations(base_url: str) -> dict[str, float]:
     return out
 
 
+def run_peer(args: argparse.Namespace) -> list[dict]:
+    """The chat way against a llama-server started here (rows of way ``llama_chat``)."""
+    from peers import llama_server as peer
+
+    model = args.peer_gguf or peer.smollm2_gguf()
+    port = peer.free_port()
+    cmd = peer.llama_server_command(
+        peer.require_binary("llama-server"), model, port, threads=args.threads,
+        parallel=args.agents, ctx_per_slot=4096)  # fmt: skip
+    with peer.running(cmd, port) as base:
+        return asyncio.run(run_way(args, PEER_WAY, base))
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -262,9 +285,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--arg-chars", type=int, default=24)
     parser.add_argument("--result-words", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
+    parser.add_argument("--ways", nargs="*", choices=WAYS, default=list(WAYS))
     parser.add_argument("--out-dir", default=str(RESULTS_DIR))
     parser.add_argument("--quick", action="store_true", help="2 agents x 3 turns")
+    parser.add_argument("--llama-server", action="store_true", help="also run llama_chat")
+    parser.add_argument("--peer-gguf", default=None, help="default: smollm2's Q4_1 file")
+    parser.add_argument("--threads", type=int, default=2, help="llama-server's threads")
     args = parser.parse_args(argv)
     if args.quick:
         args.agents, args.turns = 2, 3
@@ -275,6 +301,8 @@ def main(argv: list[str] | None = None) -> dict:
     for way in args.ways:
         rows += asyncio.run(run_way(args, way))
     after = asyncio.run(continuations(args.base_url))
+    if args.llama_server:
+        rows += run_peer(args)
     summary = summarize(rows)
     result = {
         "workload": {k: getattr(args, k) for k in ("agents", "turns", "arg_chars",
@@ -285,6 +313,11 @@ def main(argv: list[str] | None = None) -> dict:
     }  # fmt: skip
     write_json(result, Path(args.out_dir) / "agent_protocols.json")
     print(markdown(summary))
+    missed = [r for r in rows if r.get("tool_call") is False]
+    if missed:
+        ways = sorted({r["way"] for r in missed})
+        print(f"{len(missed)} chat turns ({', '.join(ways)}) returned text, not a tool call "
+              "(tool_choice 'required' not honoured): their history holds an empty call")  # fmt: skip
     print(f"continuations: {result['continuations']}")
     return result
 

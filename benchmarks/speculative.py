@@ -18,22 +18,35 @@ Systems: speculation off, ``ngram`` and ``suffix`` (k = 4, n-grams of 2..5 token
 first prompt (so all systems start from the same cached prefixes). Reported per (workload,
 streams, system): generated tokens/s over the batch's wall time (median over rounds), speed-up
 over off (median of the per-round ratios), engine steps (deterministic: greedy), acceptance rate, mean acceptance length, and whether
-the outputs equal the ones without speculation (greedy: they must). llama.cpp's ``llama-server``
-is the peer when it is on PATH (it is not run otherwise; the JSON says so).
+the outputs equal the ones without speculation (greedy: they must).
+
+Peer: llama.cpp's ``llama-server`` (built by ``benchmarks/peers/build_llama_server.sh``) on the
+same weights (the Q4_1 file re-written as F32 by ``llama-quantize``: the same values as the float32
+checkpoint), once without speculation and once with its n-gram speculation (``--spec-type
+ngram-simple``: the last ``--spec-ngram-simple-size-n`` 3 tokens looked up in the slot's
+history, the ``size-m`` 4 tokens after the match drafted; the closest to prefixserve's ngram
+k = 4), each round after prefixserve's systems. Each stream is a streamed
+``/v1/chat/completions`` request, all at once; its acceptance rate is ``draft_n_accepted /
+draft_n`` from the ``timings`` of its last chunk (it reports no draft count, so no mean
+accepted length). If the build's ``--help`` lists no n-gram speculation, only its plain decoding
+runs and the output says so; without a build (``--no-peer``, or not built) no peer runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
-import shutil
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
+import httpx
 import torch
 import transformers
 from bench_model import machine, set_threads
+from peers import llama_server as peer
 from report import write_json
 from safetensors.torch import save_file
 from workloads import RESULTS_DIR
@@ -49,6 +62,12 @@ SYSTEMS = {
     "suffix": {"method": "suffix", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
                "prompt_lookup_max": 5},
 }  # fmt: skip
+PEER_SYSTEMS = {
+    "llama.cpp off": [],
+    "llama.cpp ngram": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+                        "--spec-ngram-simple-size-m", "4"],
+}  # fmt: skip
+BASELINE = {"llama.cpp ngram": "llama.cpp off"}  # a system's "vs off" reference; else "off"
 
 PASSAGE = (
     "The Rhine is a river that begins in the Swiss Alps and flows north through Germany and the "
@@ -156,6 +175,53 @@ def run_system(model: Path, spec: dict | None, jobs: list[tuple[str, int]], max_
     return results
 
 
+def peer_status() -> tuple[str | None, str]:
+    """(llama-server's path or None, what the peer run is), from the build's ``--help``."""
+    binary = peer.find_binary("llama-server")
+    if binary is None:
+        return None, "not built (benchmarks/peers/build_llama_server.sh): no peer run"
+    help_text = subprocess.run([str(binary), "--help"], capture_output=True, text=True).stdout
+    if "ngram-simple" not in help_text:
+        return str(binary), "this llama-server has no n-gram speculation: plain decoding only"
+    return str(binary), "llama-server with --spec-type ngram-simple (n 3, m 4)"
+
+
+def run_peer(extra: list[str], jobs: list[tuple[str, int]], max_tokens: int, threads: int):
+    """One llama-server on the F32 file; per (workload, streams) what ``run_system`` gives."""
+    model = peer.gguf_of_type(peer.smollm2_gguf(), "F32")
+    port = peer.free_port()
+    cmd = peer.llama_server_command(
+        peer.require_binary("llama-server"), model, port, threads=threads,
+        parallel=max(s for _, s in jobs), ctx_per_slot=2048, extra=extra)  # fmt: skip
+
+    async def batch(base: str, name: str, streams: int, tokens: int) -> list[peer.StreamResult]:
+        async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+            bodies = [{"messages": workload(name, i), "max_tokens": tokens, "temperature": 0.0,
+                       "stream": True, "stream_options": {"include_usage": True}}
+                      for i in range(streams)]  # fmt: skip
+            return await asyncio.gather(
+                *(peer.stream_request(client, "/v1/chat/completions", b) for b in bodies)
+            )
+
+    results = {}
+    with peer.running(cmd, port) as base:
+        for name in sorted({name for name, _ in jobs}):
+            asyncio.run(batch(base, name, 1, 8))  # warm-up, as run_system's
+        for name, streams in jobs:
+            start = time.perf_counter()
+            outs = asyncio.run(batch(base, name, streams, max_tokens))
+            wall = time.perf_counter() - start
+            tokens = sum(o.completion_tokens for o in outs)
+            drafted = sum((o.timings or {}).get("draft_n", 0) for o in outs)
+            accepted = sum((o.timings or {}).get("draft_n_accepted", 0) for o in outs)
+            entry = {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+                     "steps": None, "outputs": [o.text for o in outs]}  # fmt: skip
+            if extra:
+                entry["acceptance_rate"] = accepted / drafted if drafted else 0.0
+            results[(name, streams)] = entry
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 stream, 64 tokens")
@@ -165,24 +231,33 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "speculative.json")
+    parser.add_argument("--no-peer", dest="peer", action="store_false", help="skip llama-server")
     args = parser.parse_args()
     if args.quick:
         args.streams, args.max_tokens, args.repeats = [1], 64, 1
     set_threads(args.threads)
     model = ensure_model()
     jobs = [(w, s) for s in args.streams for w in args.workloads]
-    rounds = [
-        {name: run_system(model, spec, jobs, args.max_tokens) for name, spec in SYSTEMS.items()}
-        for _ in range(args.repeats)
-    ]
+    binary, peer_run = peer_status() if args.peer else (None, "not run (--no-peer)")
+    print(f"llama.cpp peer: {peer_run}")
+    peers = {}
+    if binary is not None:
+        peers = PEER_SYSTEMS if "ngram" in peer_run else {"llama.cpp off": []}
+    rounds = []
+    for _ in range(args.repeats):  # prefixserve's systems, then the peer's, in every round
+        run = {name: run_system(model, spec, jobs, args.max_tokens) for name, spec in SYSTEMS.items()}
+        for name, extra in peers.items():
+            run[name] = run_peer(extra, jobs, args.max_tokens, args.threads)
+        rounds.append(run)
     rows = []
     print("| workload | streams | system | tok/s | vs off | engine steps | acceptance "
           "| mean accepted length | same output |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     for key in jobs:
-        for name in SYSTEMS:
+        for name in [*SYSTEMS, *peers]:
+            off = BASELINE.get(name, "llama.cpp off" if name in peers else "off")
             runs = [run[name][key] for run in rounds]
-            ratios = [run[name][key]["tokens_per_s"] / run["off"][key]["tokens_per_s"]
+            ratios = [run[name][key]["tokens_per_s"] / run[off][key]["tokens_per_s"]
                       for run in rounds]  # fmt: skip
             r = runs[0]
             row = {"workload": key[0], "streams": key[1], "system": name,
@@ -191,20 +266,21 @@ def main() -> None:
                    "tokens": r["tokens"], "steps": r["steps"],
                    "acceptance_rate": r.get("acceptance_rate"),
                    "mean_acceptance_length": r.get("mean_acceptance_length"),
-                   "same_output": all(run[name][key]["outputs"] == run["off"][key]["outputs"]
+                   "same_output": all(run[name][key]["outputs"] == run[off][key]["outputs"]
                                       for run in rounds)}  # fmt: skip
             rows.append(row)
             acc = "-" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.0%}"
             mal = row["mean_acceptance_length"]
+            steps = "-" if row["steps"] is None else row["steps"]
             print(f"| {key[0]} | {key[1]} | {name} | {row['tokens_per_s']:.1f} | "
-                  f"{row['speedup']:.2f}x | {row['steps']} | {acc} | {'-' if mal is None else f'{mal:.2f}'} | "
+                  f"{row['speedup']:.2f}x | {steps} | {acc} | {'-' if mal is None else f'{mal:.2f}'} | "
                   f"{row['same_output']} |")  # fmt: skip
-    peer = shutil.which("llama-server")
     write_json(
         {"machine": machine(), "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized, float32)",
          "max_tokens": args.max_tokens, "repeats": args.repeats, "systems": SYSTEMS,
          "rows": rows,
-         "llama_server": peer or "not installed: the llama.cpp peer was not run"},
+         "llama_server": {"binary": binary, "run": peer_run, "systems": peers,
+                          "model": "the Q4_1 file as F32 (llama-quantize)"}},
         args.out,
     )  # fmt: skip
     print(f"wrote {args.out}")
