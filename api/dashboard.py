@@ -7,6 +7,7 @@ from successive polls.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +21,8 @@ _PAGE = Path(__file__).parent / "static" / "dashboard.html"
 
 
 def stats(engine: AsyncEngine, metrics: ServerMetrics) -> dict:
-    """Current engine figures: cache counters in tokens, blocks by state, queues, token totals, TTFT."""
+    """Current engine figures: cache counters in tokens, blocks by state, queues, token totals, TTFT,
+    and the engine's steps with their cumulative seconds by phase (``EngineStats.step_times``)."""
     snap = engine.snapshot()
     ttft_sum, ttft_count = metrics.ttft_totals()
     recent = metrics.recent_ttft()
@@ -37,6 +39,8 @@ def stats(engine: AsyncEngine, metrics: ServerMetrics) -> dict:
         "ttft_mean_s": ttft_sum / ttft_count if ttft_count else 0.0,
         "ttft_recent_s": sum(recent) / len(recent) if recent else 0.0,
         "spec_decode": snap.spec_decode,  # None when speculative decoding is off
+        "num_steps": snap.num_steps,
+        "step_times": dataclasses.asdict(snap.step_times),
     }
 
 

@@ -307,6 +307,10 @@ def test_metrics_names(server, client):
     assert metric(samples, "prefixserve_request_success_total", finish_reason="length") >= 1
     blocks = [metric(samples, "prefixserve_kv_blocks", state=s) for s in ("free", "cached", "used")]
     assert sum(blocks) == 512  # the server's --num-kv-blocks: every block in exactly one state
+    stats = httpx.get(f"{server}/stats").json()  # steps and their seconds by phase, as offline
+    assert stats["num_steps"] >= 3
+    assert set(stats["step_times"]) == {"schedule", "prepare", "forward", "sample", "output"}
+    assert 0 < stats["step_times"]["forward"] < 1e4
 
 
 def test_api_key():
