@@ -12,9 +12,11 @@ partial results are merged by log-sum-exp (``out = sum_p e^lse_p out_p / sum_p e
 Prefix groups (``AttentionMetadata.prefix_groups``) are sequences whose block tables start with
 the same blocks: requests that hit one cached system prompt, forked samples, beams; attention over
 those blocks runs once for the whole group (cascade attention). Decodes (a chunk of one token)
-need only part 2 with their own token included. Parts 2 and 3 run in a few batched calls
-("buckets"): all decodes together, and prefill chunks grouped by length so a long chunk never pads
-many short ones. On CPU every part runs torch's fused flash-attention kernel.
+need only part 2 with their own token included; a step of decodes alone, with no prefix group,
+is one kernel call per layer and returns its output as is (no log-sum-exp to merge). Parts 2
+and 3 run in a few batched calls ("buckets"): all decodes together, and prefill chunks grouped
+by length so a long chunk never pads many short ones. On CPU every part runs torch's fused
+flash-attention kernel.
 
 What depends only on the batch's shape (index tensors, buckets, key-padding biases, the blocks
 each part reads) is derived once per step (``_StepPlan``, kept in ``backend_plan``) and reused by

@@ -11,6 +11,12 @@ Only the tokens that sample need the last layer's output. Given ``keep`` (those 
 layer computes K/V for every token, since later tokens attend to them, and queries, attention,
 ``o_proj`` and the MLP for the kept rows alone: on a prefill of N tokens that skips nearly
 1 / num_layers of the work, with the same values for the rows that sample.
+
+A CPU decode step is a few small matmuls per layer, so every other op is dispatch overhead
+(about 45 top-level ops per layer): rope's cos/sin are gathered once per forward and q and k are
+rotated in one call; float32 norms are one ``torch.rms_norm``; multi-row matmuls run on
+oneDNN-prepacked weights (``PACKED_BATCH_HINT``). Each of these gives the same bits as the
+formula it replaces except the prepacked matmul (float32 rounding; ``tests/test_decode_fast_path``).
 """
 
 from __future__ import annotations
