@@ -40,7 +40,7 @@ def measure(model: str, streams: list[int], steps: int, threads: int) -> dict:
     vocab = engine.runner.model_config.vocab_size
     result = {}
     for n in [1, *streams]:  # the first pass warms up
-        params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
         for i in range(n):
             prompt = [(300 + 40 * i + j) % vocab for j in range(32)]
             engine.add_request(f"ab-{time.monotonic_ns()}-{i}", prompt, params)

@@ -66,12 +66,14 @@ def start_server(model: str, threads: int | None) -> tuple[subprocess.Popen, str
     raise RuntimeError("the server did not become healthy in 300 s")
 
 
-async def http_decode_rate(url: str, model: str, streams: int, max_tokens: int) -> float:
+async def http_decode_rate(
+    url: str, model: str, streams: int, max_tokens: int, vocab: int
+) -> float:
     """Tokens/s generated after every stream's first token (one chunk per token, greedy)."""
     times: list[list[float]] = [[] for _ in range(streams)]
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
-        body = {"model": model, "prompt": [(300 + 40 * i + j) % 49152 for j in range(32)],
+        body = {"model": model, "prompt": [(300 + 40 * i + j) % vocab for j in range(32)],
                 "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
                 "stream": True}  # fmt: skip
         async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
@@ -104,13 +106,14 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         served = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         llm = LLM(args.model, gguf_dequantize=True, num_kv_blocks=512)
-        asyncio.run(http_decode_rate(url, served, 1, 4))  # warm-up
+        vocab = llm.llm_engine.runner.model_config.vocab_size
+        asyncio.run(http_decode_rate(url, served, 1, 4, vocab))  # warm-up
         decode_rate(llm, 1, 4)
         rates: dict[str, dict[int, list[float]]] = {"http": {}, "offline": {}}
         for _ in range(args.runs):
             for n in args.streams:
                 rates["http"].setdefault(n, []).append(
-                    asyncio.run(http_decode_rate(url, served, n, args.max_tokens))
+                    asyncio.run(http_decode_rate(url, served, n, args.max_tokens, vocab))
                 )
                 rates["offline"].setdefault(n, []).append(decode_rate(llm, n, args.max_tokens)[0])
     finally:

@@ -9,7 +9,7 @@ with a ``record_function`` label around each piece: the model forward, per layer
 block, the attention backend call and its K/V write, the MLP, the norms and rope, then the
 ``lm_head``, sampling, scheduling and output processing. Printed: ms per step of each piece
 (inclusive of the pieces inside it, with the profiler's own per-op overhead, so the sum runs
-above the unprofiled step), the time in ``aten::mm`` and in the attention kernel, the number of
+above the unprofiled step), the time in the matmul and attention kernels, the number of
 aten ops per step, and the unprofiled step's min and median. Machine: this one, CPU, ``--threads``
 torch threads. Baseline: none; run it on two checkouts to compare.
 """
@@ -38,11 +38,16 @@ PIECES = [
     (llama, "apply_rope", "  apply_rope"),  # absent before the rope was split in two
     (llama.LlamaForCausalLM, "compute_logits", "lm_head"),
 ]
-KERNELS = ["aten::mm", "aten::_scaled_dot_product_flash_attention_for_cpu"]
+KERNELS = [
+    "aten::mm",  # F.linear and the transposed MLP
+    "mkldnn::_linear_pointwise",  # prepacked multi-row matmuls
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+]
 
 
-def label(cls: object, method: str, name: str) -> None:
-    """Wrap ``cls.method`` (a class or module attribute) in a ``record_function(name)``."""
+def label(cls: object, method: str, name: str, undo: list) -> None:
+    """Wrap ``cls.method`` (a class or module attribute) in a ``record_function(name)``; what
+    to restore goes on ``undo``."""
     f = getattr(cls, method, None)
     if f is None:
         return
@@ -52,14 +57,16 @@ def label(cls: object, method: str, name: str) -> None:
         with record_function(name):
             return f(*args, **kwargs)
 
+    undo.append((cls, method, cls.__dict__[method]))
     setattr(cls, method, wrapped)
 
 
 def profile_streams(llm: LLM, streams: int, steps: int) -> None:
     engine = llm.llm_engine
+    vocab = engine.runner.model_config.vocab_size
     params = SamplingParams(max_tokens=2 * steps + 16, temperature=0.0, ignore_eos=True)
     for i in range(streams):
-        prompt = [(300 + 40 * i + j) % 49152 for j in range(32)]
+        prompt = [(300 + 40 * i + j) % vocab for j in range(32)]
         engine.add_request(f"profile-{time.monotonic_ns()}-{i}", prompt, params)
     for _ in range(4):
         engine.step()
@@ -73,7 +80,7 @@ def profile_streams(llm: LLM, streams: int, steps: int) -> None:
         if name in events:
             e = events[name]
             print(f"  {name:50s} {e.cpu_time_total / 1e3 / steps:8.2f}   ({e.count // steps}/step)")
-    for name in KERNELS:
+    for name in [k for k in KERNELS if k in events]:
         e = events[name]
         print(f"  {name:50s} {e.cpu_time_total / 1e3 / steps:8.2f}   ({e.count // steps}/step)")
     print(f"  aten ops per step: {num_ops // steps}")
@@ -96,16 +103,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    for cls, method, name in PIECES:
-        label(cls, method, name)
     llm = LLM(args.model, gguf_dequantize=True, num_kv_blocks=512)
     engine = llm.llm_engine
-    label(type(engine.sampling_step), "sample", "sample")
-    label(type(engine.scheduler), "schedule", "schedule + update")
-    label(type(engine.scheduler), "update_from_output", "schedule + update")
-    label(type(engine.output_processor), "make_output", "output")
-    for n in args.streams:
-        profile_streams(llm, n, args.steps)
+    pieces = PIECES + [
+        (type(engine.sampling_step), "sample", "sample"),
+        (type(engine.scheduler), "schedule", "schedule + update"),
+        (type(engine.scheduler), "update_from_output", "schedule + update"),
+        (type(engine.output_processor), "make_output", "output"),
+    ]
+    undo: list = []
+    try:
+        for cls, method, name in pieces:
+            label(cls, method, name, undo)
+        for n in args.streams:
+            profile_streams(llm, n, args.steps)
+    finally:
+        for cls, method, original in reversed(undo):
+            setattr(cls, method, original)
 
 
 if __name__ == "__main__":
