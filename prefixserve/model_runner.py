@@ -70,6 +70,9 @@ class ModelRunner:
             gguf_dequantize=config.gguf_dequantize,
         )
         self.dtype = next(self.model.parameters()).dtype
+        prepack = getattr(self.model, "prepack_cpu_weights", None)  # multi-row decode (llama.py)
+        if self.device.type == "cpu" and not config.enforce_eager and prepack and prepack():
+            logger.info("linear weights prepacked for multi-row CPU decode (oneDNN)")
         self.block_size = config.block_size
         # decode steps replay CUDA graphs (None: off); their memory is left out of the KV budget
         self.graphs = CUDAGraphRunner.create(config, self.model, self.attn_backend)

@@ -12,9 +12,11 @@ partial results are merged by log-sum-exp (``out = sum_p e^lse_p out_p / sum_p e
 Prefix groups (``AttentionMetadata.prefix_groups``) are sequences whose block tables start with
 the same blocks: requests that hit one cached system prompt, forked samples, beams; attention over
 those blocks runs once for the whole group (cascade attention). Decodes (a chunk of one token)
-need only part 2 with their own token included. Parts 2 and 3 run in a few batched calls
-("buckets"): all decodes together, and prefill chunks grouped by length so a long chunk never pads
-many short ones. On CPU every part runs torch's fused flash-attention kernel.
+need only part 2 with their own token included; a step of decodes alone, with no prefix group,
+is one kernel call per layer and returns its output as is (no log-sum-exp to merge). Parts 2
+and 3 run in a few batched calls ("buckets"): all decodes together, and prefill chunks grouped
+by length so a long chunk never pads many short ones. On CPU every part runs torch's fused
+flash-attention kernel.
 
 What depends only on the batch's shape (index tensors, buckets, key-padding biases, the blocks
 each part reads) is derived once per step (``_StepPlan``, kept in ``backend_plan``) and reused by
@@ -56,13 +58,16 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:  # [T, nh, hd]
         md = attn_metadata
-        self.store_kv(key, value, kv_cache, md.slot_mapping)
         if md.backend_plan is None:
             md.backend_plan = _StepPlan.build(md, kv_cache.shape[2], query.device, query.dtype)
         plan: _StepPlan = md.backend_plan
+        _write_kv(key, value, kv_cache, md.slot_mapping, plan.slots_valid)
+        nd = md.num_decodes
+        if nd == query.shape[0] and not plan.shared:  # a pure decode step, the common case
+            k, v = plan.decodes.read(kv_cache)
+            return _decode_attention(query, k, v, plan.decodes.bias, scale)
         out = torch.empty_like(query)
         lse = query.new_empty(query.shape[:2])  # (T, nh)
-        nd = md.num_decodes
         if nd:  # the decodes are tokens 0 .. nd - 1
             k, v = plan.decodes.read(kv_cache)
             o, o_lse = _attention(query[:nd].unsqueeze(1), k, v, plan.decodes.bias, scale)
@@ -78,17 +83,42 @@ class TorchAttentionBackend(AttentionBackend):
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
     ) -> None:
         """Write each token's K/V at its slot; slots of -1 are skipped."""
-        nkv, hd = key.shape[1:]
-        k_flat = kv_cache[0].view(-1, nkv, hd)  # (num_blocks * bs, nkv, hd)
-        v_flat = kv_cache[1].view(-1, nkv, hd)
-        keep = slots >= 0
-        if not bool(keep.all()):
-            key, value, slots = key[keep], value[keep], slots[keep]
-        k_flat.index_copy_(0, slots, key)
-        v_flat.index_copy_(0, slots, value)
+        _write_kv(key, value, kv_cache, slots, bool((slots >= 0).all()))
 
     def copy_blocks(self, kv_caches: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         kv_caches[:, :, dst] = kv_caches[:, :, src]
+
+
+def _write_kv(
+    key: torch.Tensor,  # (T, nkv, hd)
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,  # (2, num_blocks, block_size, nkv, hd)
+    slots: torch.Tensor,  # (T,)
+    slots_valid: bool,  # no slot is -1
+) -> None:
+    """K and V in one ``index_copy_`` (K/V stacked), skipping tokens at slot -1."""
+    if not slots_valid:
+        keep = slots >= 0
+        key, value, slots = key[keep], value[keep], slots[keep]
+    flat = kv_cache.view(2, -1, *kv_cache.shape[3:])  # (2, num_blocks * bs, nkv, hd)
+    flat.index_copy_(1, slots, torch.stack((key, value)))
+
+
+def _decode_attention(
+    q: torch.Tensor,  # (G, nh, hd): one query token per sequence
+    k: torch.Tensor,  # (G, L, nkv, hd)
+    v: torch.Tensor,
+    bias: torch.Tensor | None,  # (G, 1, 1, L) key padding, or None
+    scale: float,
+) -> torch.Tensor:  # (G, nh, hd)
+    """``_attention`` for one query per sequence, without the log-sum-exp nobody merges: the
+    same kernel on the same operands (so the same values), in a few ops instead of a dozen
+    (dispatch overhead is most of a decode step's attention on CPU)."""
+    g, nh, hd = q.shape
+    nkv = k.shape[2]
+    qh = q.reshape(g, nkv, nh // nkv, hd)  # a KV head's query heads are its query rows
+    o, _ = _sdpa_with_lse(qh, k.transpose(1, 2), v.transpose(1, 2), bias, scale)
+    return o.reshape(g, nh, hd)
 
 
 @dataclass(slots=True)
@@ -189,6 +219,7 @@ class _StepPlan:
     decodes: _Context | None
     chunks: list[_ChunkBucket]
     shared: list[tuple[slice | torch.Tensor, _Context]]
+    slots_valid: bool  # no token of the step has slot -1 (nothing to filter before the write)
 
     @classmethod
     def build(
@@ -242,7 +273,7 @@ class _StepPlan:
             shared_len = num_blocks * bs
             ctx = _Context.build([tables[members[0]]], [0], [shared_len], bs, device, dtype)
             shared.append((sel, ctx))
-        return cls(decodes, chunks, shared)
+        return cls(decodes, chunks, shared, bool((md.slot_mapping >= 0).all()))
 
 
 def _attention(

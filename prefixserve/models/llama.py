@@ -11,6 +11,12 @@ Only the tokens that sample need the last layer's output. Given ``keep`` (those 
 layer computes K/V for every token, since later tokens attend to them, and queries, attention,
 ``o_proj`` and the MLP for the kept rows alone: on a prefill of N tokens that skips nearly
 1 / num_layers of the work, with the same values for the rows that sample.
+
+A CPU decode step is a few small matmuls per layer, so every other op is dispatch overhead
+(about 45 top-level ops per layer): rope's cos/sin are gathered once per forward and q and k are
+rotated in one call; float32 norms are one ``torch.rms_norm``; multi-row matmuls run on
+oneDNN-prepacked weights (``PACKED_BATCH_HINT``). Each of these gives the same bits as the
+formula it replaces except the prepacked matmul (float32 rounding; ``tests/test_decode_fast_path``).
 """
 
 from __future__ import annotations
@@ -39,22 +45,71 @@ logger = logging.getLogger(__name__)
 # The rows of the flattened batch whose last-layer output is needed, and attention metadata that
 # describes them as one query token each (None when there are no rows); see ``forward``.
 Keep = tuple[torch.Tensor, AttentionMetadata | None]
+# Each token's rope cos and sin, (T, 1, head_dim) each (see ``RotaryEmbedding``).
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+# Multi-row CPU decode runs on oneDNN-prepacked float32 weights (``Linear.prepack``): a layout
+# chosen for PACKED_BATCH_HINT rows, used for 2 .. PACKED_MAX_ROWS rows. MKL's sgemm, behind
+# F.linear, packs the weight on every call there; on SmolLM2's shapes (2-core AVX2 VM, one
+# thread) the packed weights take a step's matmuls from 75 to 39 ms at 8 rows (lm_head alone
+# 32 -> 11 ms), while one row is faster on MKL's GEMV (23 vs 27 ms), so it keeps the plain weight.
+PACKED_BATCH_HINT = 8
+PACKED_MAX_ROWS = 128
+
+
+def can_prepack(weight: torch.Tensor) -> bool:
+    """Whether ``prepack`` applies: a float32 CPU weight and a torch built with oneDNN."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in oneDNN's blocked layout (an opaque copy) for ``packed_linear``."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_BATCH_HINT)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + b`` on a weight from ``prepack``: one oneDNN inner product."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class Linear(nn.Module):
-    """``y = x W^T + b`` with parameters left uninitialized until weights are loaded."""
+    """``y = x W^T + b`` with parameters left uninitialized until weights are loaded.
+
+    After ``prepack`` (CPU, float32: see ``PACKED_BATCH_HINT``) a batch of 2 .. PACKED_MAX_ROWS
+    rows runs on the packed copy; other batches, and any gradient-free reader of ``weight``
+    (the quantizer, the last layer's row selection), use the plain weight. The copy doubles the
+    memory of the weight; ``--enforce-eager`` leaves it out.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.packed: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        self.packed = prepack(self.weight)
+
+    def uses_packed(self, x: torch.Tensor) -> bool:
+        return self.packed is not None and 1 < x.shape[0] <= PACKED_MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.uses_packed(x):
+            return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
-    """RMS normalization over the last dim, computed in float32 and cast back (as transformers)."""
+    """RMS normalization over the last dim, computed in float32 and cast back (as transformers).
+
+    In float32 it is ``torch.rms_norm``: one op instead of eight per call, with the same bits
+    (sixty calls per decode step on a 30-layer model, where dispatch overhead is the cost).
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -62,6 +117,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 == self.weight.dtype:  # one fused op, bit-equal (tested)
+            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -124,10 +181,12 @@ def _yarn_inv_freq(dim: int, base: float, max_pos: int, rs: dict) -> tuple[torch
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rope with cos/sin precomputed for every position (``[max_pos, head_dim // 2]``).
+    """Neox-style rope with cos/sin precomputed for every position (``[max_pos, head_dim]``).
 
     The cache is computed in float32 on the CPU, exactly as transformers computes its per-step
-    cos/sin, then cast to the default dtype and device the model is built under.
+    cos/sin, then cast to the default dtype and device the model is built under. It is stored
+    in the form ``apply_rope`` reads: ``cos`` is ``[c, c]`` and ``sin`` is ``[-s, s]`` over the
+    two halves of a head.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -135,18 +194,26 @@ class RotaryEmbedding(nn.Module):
         inv_freq, scale = rope_inv_freq(config)
         positions = torch.arange(config.max_position_embeddings, device="cpu").float()
         freqs = positions[:, None] * inv_freq[None, :]  # (P, hd/2)
+        cos, sin = freqs.cos() * scale, freqs.sin() * scale
         dtype, device = torch.get_default_dtype(), torch.empty(0).device
-        self.register_buffer("cos", (freqs.cos() * scale).to(device, dtype), persistent=False)
-        self.register_buffer("sin", (freqs.sin() * scale).to(device, dtype), persistent=False)
+        self.register_buffer("cos", torch.cat((cos, cos), -1).to(device, dtype), persistent=False)
+        self.register_buffer("sin", torch.cat((-sin, sin), -1).to(device, dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` (T, heads, hd) by each token's position."""
-        cos, sin = (
-            self.cos[positions].unsqueeze(1),
-            self.sin[positions].unsqueeze(1),
-        )  # (T, 1, hd/2)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def forward(self, positions: torch.Tensor) -> Rope:
+        """Each token's cos and sin, ``(T, 1, hd)`` each: gathered once per forward, read by
+        every layer (``apply_rope``)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """Rotate ``x`` (T, heads, hd) by each token's position (``rope`` from ``RotaryEmbedding``).
+
+    With ``x = [x1, x2]`` (halves of a head) this is ``[x1 c - x2 s, x2 c + x1 s]``, written as
+    ``x * [c, c] + [x2, x1] * [-s, s]``: four ops instead of eight, and the same bits (negating
+    ``s`` is exact, and each half adds the same two products).
+    """
+    cos, sin = rope
+    return (x * cos).add_(x.roll(x.shape[-1] // 2, dims=-1) * sin)
 
 
 class Attention(nn.Module):
@@ -172,31 +239,38 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: Rope,
         x: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
         keep: Keep | None = None,
     ) -> torch.Tensor:  # (T, hidden), or (len(rows), hidden) with keep
         t = x.shape[0]
-        if keep is None or not isinstance(self.qkv_proj, Linear):  # (quantized: all queries)
+        if keep is None and not self.qk_norm:
+            # q and k lie side by side in the fused output: one rotation for both heads' kinds
+            qkv = self.qkv_proj(x)  # (T, q_size + 2 kv_size)
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)  # (T, nh+nkv, hd)
+            q, k = apply_rope(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
+            v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+            out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
+            return self.o_proj(out.reshape(t, self.q_size))
+        rows = None if keep is None else keep[0]
+        if rows is None or not isinstance(self.qkv_proj, Linear):  # (quantized: all queries)
             q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q_positions = positions
-            if keep is not None:
-                q, q_positions = q[keep[0]], positions[keep[0]]
+            if rows is not None:
+                q = q[rows]
         else:  # every token's K/V, but queries only for the kept rows
-            rows = keep[0]
             w, b = self.qkv_proj.weight, self.qkv_proj.bias
             kv = F.linear(x, w[self.q_size :], None if b is None else b[self.q_size :])
             k, v = kv.split([self.kv_size, self.kv_size], dim=-1)
             q = F.linear(x[rows], w[: self.q_size], None if b is None else b[: self.q_size])
-            q_positions = positions[rows]
         q = q.view(-1, self.num_heads, self.head_dim)  # (T or rows, nh, hd)
         k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(q_positions, q), self.rotary_emb(positions, k)
+        q_rope = rope if rows is None else (rope[0][rows], rope[1][rows])
+        q, k = apply_rope(q, q_rope), apply_rope(k, rope)
         if keep is not None:
             rows, rows_metadata = keep
             self.backend.store_kv(k, v, kv_cache, attn_metadata.slot_mapping)
@@ -211,7 +285,8 @@ class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up fused into one matmul.
 
     A CPU batch of at most ``TRANSPOSED_MAX_ROWS`` tokens (decode steps) with float weights
-    (not quantized ones, see ``quantization``) is computed transposed,
+    (not quantized ones, see ``quantization``), unless it runs on prepacked weights
+    (``Linear.prepack``), is computed transposed,
     ``W @ x^T``, with the same values: MKL runs these wide, short products faster, which made a
     whole decode forward of the bench model 1.23x faster at 64 rows and 1.32x at 16 on a 2-core
     AVX2 machine (1.06x at 128 rows, where the gain ends).
@@ -229,7 +304,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         transposed = x.device.type == "cpu" and x.shape[0] <= self.TRANSPOSED_MAX_ROWS
-        if not transposed or not isinstance(self.gate_up_proj, Linear):  # quantized: as is
+        plain = isinstance(self.gate_up_proj, Linear)  # not quantized
+        if not transposed or not plain or self.gate_up_proj.uses_packed(x):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         gate_up, down = self.gate_up_proj, self.down_proj
@@ -264,13 +340,13 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: Rope,
         h: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
         keep: Keep | None = None,
     ) -> torch.Tensor:
-        attn = self.self_attn(positions, self.input_layernorm(h), kv_cache, attn_metadata, keep)
+        attn = self.self_attn(rope, self.input_layernorm(h), kv_cache, attn_metadata, keep)
         h = (h if keep is None else h[keep[0]]) + attn
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -306,6 +382,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, attn_backend)
+        self.lm_head_packed: torch.Tensor | None = None  # see ``prepack_cpu_weights``
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(
                 torch.empty(config.vocab_size, config.hidden_size), requires_grad=False
@@ -332,15 +409,30 @@ class LlamaForCausalLM(nn.Module):
         ``rows_metadata`` describes the kept rows as a batch of one query token each (None when
         ``rows`` is empty)."""
         h = F.embedding(input_ids, self.model.embed_tokens)  # (T, hidden)
+        rope = self.model.rotary_emb(positions)  # the same cos/sin for every layer
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
-            h = layer(positions, h, kv_caches[i], attn_metadata, keep if i == last else None)
+            h = layer(rope, h, kv_caches[i], attn_metadata, keep if i == last else None)
         return self.model.norm(h)
 
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` float32."""
+        n = hidden_states.shape[0]
+        if self.lm_head_packed is not None and 1 < n <= PACKED_MAX_ROWS:
+            return packed_linear(hidden_states, self.lm_head_packed, None)
         return F.linear(hidden_states, self.lm_head_weight).float()
+
+    def prepack_cpu_weights(self) -> bool:
+        """Prepack every float32 ``Linear`` and the ``lm_head`` for multi-row CPU decode (see
+        ``PACKED_BATCH_HINT``); False, and nothing changed, where that does not apply."""
+        if not can_prepack(self.lm_head_weight):
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack()
+        self.lm_head_packed = prepack(self.lm_head_weight)
+        return True
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
