@@ -121,15 +121,17 @@ def render_chat_text(
 
 
 def _normalize(index: int, message: dict[str, Any], fmt: str) -> dict[str, Any]:
-    """The message with its content in ``fmt``; a non-text part is an error."""
+    """The message with its content in ``fmt``; a non-text part is an error. A missing or null
+    content (an assistant turn that only calls tools) is no text, as vLLM renders it: ``""`` or
+    ``[]``, so templates that concatenate ``message['content']`` (SmolLM2's) render it too."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise InvalidArgumentError(
             f"messages[{index}]: every message needs a string 'role'", "messages"
         )
     content = message.get("content")
     if content is None:
-        return message
-    if isinstance(content, str):
+        texts: list[str] = []
+    elif isinstance(content, str):
         texts = [content]
     elif isinstance(content, list):
         texts = [_part_text(index, j, part) for j, part in enumerate(content)]

@@ -28,7 +28,8 @@ class EngineConfig:
     (vLLM's KV-event format, ZMQ PUB), with a replay socket at ``kv_events_replay_endpoint``.
     ``enforce_eager``: run every step eagerly; otherwise, on CUDA with the Triton backend, decode
     steps replay CUDA graphs captured at start-up (``prefixserve.cuda_graphs``), and on CPU
-    float32 linear weights get a oneDNN-prepacked copy for multi-row decode (``models/llama.py``).
+    float32 linear weights get a oneDNN-prepacked copy for multi-row decode (``models/llama.py``)
+    when it fits a quarter of the available memory (``model_runner.PREPACK_MEMORY_SHARE``).
     ``quantization`` (int8 / int4): weight-only quantization of the decoder's linear layers
     (``prefixserve.models.quantization``). ``gguf_dequantize``: load a GGUF file's quantized
     tensors as float instead of keeping them quantized (``prefixserve.models.gguf_loader``).

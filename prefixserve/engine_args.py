@@ -37,7 +37,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="no CUDA graphs: run decode steps eagerly too; on CPU, no prepacked weight copies",
+        help="no CUDA graphs: run decode steps eagerly too; on CPU, no prepacked weight copy",
     )
     p.add_argument(
         "--quantization",

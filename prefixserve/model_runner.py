@@ -27,6 +27,30 @@ from prefixserve.scheduler_output import ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
+# the prepacked copy of the weights (multi-row CPU decode) may take at most this share of the
+# memory available when the model is loaded; a larger model runs on its one copy
+PREPACK_MEMORY_SHARE = 0.25
+
+
+def available_memory_bytes() -> int | None:
+    """``MemAvailable`` of /proc/meminfo (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def prepack_fits(model: torch.nn.Module) -> bool:
+    """Whether a second, prepacked copy of ``model``'s weights fits ``PREPACK_MEMORY_SHARE`` of
+    the available memory (no, where that is unknown)."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    available = available_memory_bytes()
+    return available is not None and weight_bytes <= PREPACK_MEMORY_SHARE * available
+
 
 class ModelRunnerOutput(NamedTuple):
     """``samplers``: the scheduled sequences that sample this step; ``samplers[i]`` owns
@@ -71,8 +95,11 @@ class ModelRunner:
         )
         self.dtype = next(self.model.parameters()).dtype
         prepack = getattr(self.model, "prepack_cpu_weights", None)  # multi-row decode (llama.py)
-        if self.device.type == "cpu" and not config.enforce_eager and prepack and prepack():
-            logger.info("linear weights prepacked for multi-row CPU decode (oneDNN)")
+        if self.device.type == "cpu" and not config.enforce_eager and prepack is not None:
+            if not prepack_fits(self.model):
+                logger.info("weights not prepacked: a second copy would not fit in memory")
+            elif prepack():
+                logger.info("linear weights prepacked for multi-row CPU decode (oneDNN)")
         self.block_size = config.block_size
         # decode steps replay CUDA graphs (None: off); their memory is left out of the KV budget
         self.graphs = CUDAGraphRunner.create(config, self.model, self.attn_backend)

@@ -149,6 +149,24 @@ def test_content_parts_render_as_the_same_text(template):
         render_chat(tok, [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
 
 
+CONCAT_TEMPLATE = (  # SmolLM2's way: the content concatenated, so it must be a string
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("missing", [{}, {"content": None}], ids=["absent", "null"])
+def test_a_tool_calling_turn_without_content_renders_as_no_text(missing):
+    tok = builtin_tokenizer()
+    tok.chat_template = CONCAT_TEMPLATE
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    turn = {"role": "assistant", "tool_calls": [call], **missing}
+    rendered = render_chat(tok, [{"role": "user", "content": "hi"}, turn], add_generation_prompt=False)
+    with_empty = render_chat(tok, [{"role": "user", "content": "hi"}, {**turn, "content": ""}],
+                             add_generation_prompt=False)  # fmt: skip
+    assert rendered == with_empty
+
+
 def test_content_parts_over_http(server, client):
     parts = [{"role": "user", "content": [{"type": "text", "text": "Tell me about "},
                                           {"type": "text", "text": "prefix caching."}]}]  # fmt: skip

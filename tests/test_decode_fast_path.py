@@ -9,7 +9,7 @@ import pytest
 import torch
 from attn_utils import BlockAllocator, build_attn_metadata
 
-from prefixserve import LLM, SamplingParams
+from prefixserve import LLM, SamplingParams, model_runner
 from prefixserve.attention.torch_backend import TorchAttentionBackend
 from prefixserve.models.llama import PACKED_MAX_ROWS, Linear, RMSNorm, apply_rope, can_prepack
 
@@ -127,6 +127,16 @@ def test_engine_prepacks_cpu_weights_unless_eager(enforce_eager):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs = llm.generate([[5, 6, 7], [8, 9, 10, 11], [12]], params)  # 3 rows per decode step
     assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+
+
+def test_no_prepacked_copy_where_it_would_not_fit(monkeypatch):
+    monkeypatch.setattr(model_runner, "available_memory_bytes", lambda: 4 * 1024)
+    model = LLM(num_kv_blocks=64).llm_engine.runner.model
+    assert model.lm_head_packed is None
+    monkeypatch.setattr(model_runner, "available_memory_bytes", lambda: None)  # unknown: none
+    assert not model_runner.prepack_fits(model)
+    monkeypatch.setattr(model_runner, "available_memory_bytes", lambda: 1 << 40)
+    assert model_runner.prepack_fits(model)
 
 
 def test_bfloat16_weights_are_not_prepacked():
