@@ -10,11 +10,14 @@ Llama 3.1 (JSON calls), Llama 3.2 with pythonic calls (as vLLM ships it), Mistra
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import transformers
+from servers import server_process
 from tokenizers import AddedToken
 
 from prefixserve.models.builtin import builtin_tokenizer
@@ -102,3 +105,25 @@ def family_checkpoint(name: str, folder: Path | str, seed: int = 0) -> Path:
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+# ---- the family servers' shared setup (test_family_servers.py, test_family_agent_protocols.py) --
+
+TOOL_FAMILIES = ("llama3_json", "mistral", "pythonic", "qwen3_coder")
+PICK = {  # a choice per parameter: streamed == non-streamed is a real comparison
+    "type": "object",
+    "properties": {"n": {"enum": [1, 2, 3]}, "exact": {"type": "boolean"}},
+    "required": ["n", "exact"],
+}
+FIXED = {"type": "object", "properties": {"unit": {"enum": [7]}}, "required": ["unit"]}
+USER_TEXT = "Pick a number, then call the fixed tool."
+
+
+@contextmanager
+def family_server(name: str, folder: Path) -> Iterator[str]:
+    """``prefixserve serve`` of family ``name``'s checkpoint (written into ``folder``) with its
+    ``--tool-call-parser``, served as model "m"; yields the base URL."""
+    args = ("--model", str(family_checkpoint(name, folder)), "--served-model-name", "m",
+            "--tool-call-parser", name, "--max-model-len", "4096")  # fmt: skip
+    with server_process(*args) as (_, base):
+        yield base

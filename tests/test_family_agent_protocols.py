@@ -16,31 +16,20 @@ import anthropic
 import httpx
 import openai
 import pytest
-from families import family_checkpoint
-from servers import server_process
+from families import FIXED, PICK, TOOL_FAMILIES, USER_TEXT, family_server
 
 BLOCK = 16
-PICK = {
-    "type": "object",
-    "properties": {"n": {"enum": [1, 2, 3]}, "exact": {"type": "boolean"}},
-    "required": ["n", "exact"],
-}
-FIXED = {"type": "object", "properties": {"unit": {"enum": [7]}}, "required": ["unit"]}
 TOOLS = [
     {"type": "function", "name": "pick", "parameters": PICK},
     {"type": "function", "name": "fixed", "parameters": FIXED},
 ]
-USER = "Pick a number, then call the fixed tool."
-TOOL_FAMILIES = ("llama3_json", "mistral", "pythonic", "qwen3_coder")
+USER = USER_TEXT
 
 
 @pytest.fixture(scope="module", params=TOOL_FAMILIES)
 def family(request, tmp_path_factory):
     name = request.param
-    folder = family_checkpoint(name, tmp_path_factory.mktemp(name))
-    args = ("--model", str(folder), "--served-model-name", "m", "--tool-call-parser", name,
-            "--max-model-len", "4096")  # fmt: skip
-    with server_process(*args) as (_, base):
+    with family_server(name, tmp_path_factory.mktemp(name)) as base:
         yield name, base
 
 
