@@ -229,7 +229,7 @@ def bench(fn, device: torch.device) -> float:
 
 
 def decode_bandwidth(device: torch.device, peak_gbps: float, dry: bool, rows: list[Row]) -> None:
-    from prefixserve.kernels import decode_attention, default_num_splits
+    from prefixserve.kernels.decode_attention import decode_attention, default_num_splits
 
     heads, kv_heads, head_dim, block_size, dtype = 16, 8, 128, 16, torch.bfloat16
     batches, ctxs = ([1, 2], [16, 48]) if dry else ([1, 32, 256], [1024, 8192, 32768])
@@ -289,12 +289,12 @@ def decode_bandwidth(device: torch.device, peak_gbps: float, dry: bool, rows: li
 
 def cascade_decode(device: torch.device, peak_gbps: float, dry: bool, rows: list[Row]) -> None:
     """Cascade decode against the plain decode kernel over one shared prefix (section 3)."""
-    from prefixserve.kernels import (
+    from prefixserve.kernels.cascade_attention import (
         CascadeGroups,
         cascade_decode_attention,
         cascade_pays,
-        decode_attention,
     )
+    from prefixserve.kernels.decode_attention import decode_attention
 
     heads, kv_heads, head_dim, block_size, dtype = 16, 8, 128, 16, torch.bfloat16
     seq_counts, shared_lens, suffix = [16, 64, 256], [1024, 8192, 32768], 128
@@ -371,7 +371,7 @@ def cascade_decode(device: torch.device, peak_gbps: float, dry: bool, rows: list
 
 
 def extend_timing(device: torch.device, dry: bool, rows: list[Row]) -> None:
-    from prefixserve.kernels import extend_attention
+    from prefixserve.kernels.extend_attention import extend_attention
 
     heads, kv_heads, head_dim, block_size, dtype = 16, 8, 128, 16, torch.bfloat16
     cases = [(8, 4096, 512), (16, 0, 1024), (4, 16384, 2048)]  # (seqs, cached prefix, new tokens)

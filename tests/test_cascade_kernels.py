@@ -14,14 +14,14 @@ from test_kernels import DEVICE, NUM_KV_HEADS, assert_close, decode_inputs, dens
 
 pytest.importorskip("triton")
 
-from prefixserve.kernels import (
+from prefixserve.kernels.cascade_attention import (
     CascadeGroups,
     cascade_decode_attention,
     cascade_pays,
-    decode_attention,
-    merge_attn_states,
     shared_prefix_attention,
 )
+from prefixserve.kernels.decode_attention import decode_attention
+from prefixserve.kernels.merge_attn_states import merge_attn_states
 
 
 class SharedBatch:

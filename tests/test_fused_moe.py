@@ -13,8 +13,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from prefixserve.kernels import fused_moe
-from prefixserve.kernels.fused_moe import align_pairs
+from prefixserve.kernels.fused_moe import align_pairs, fused_moe
 
 from prefixserve.models.moe import grouped_experts, select_experts
 

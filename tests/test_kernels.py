@@ -19,11 +19,9 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from prefixserve.kernels import (
-    decode_attention,
-    extend_attention,
-    store_kv_cache,
-)
+from prefixserve.kernels.decode_attention import decode_attention
+from prefixserve.kernels.extend_attention import extend_attention
+from prefixserve.kernels.kv_store import store_kv_cache
 
 from prefixserve.attention.metadata import AttentionMetadata, SeqSpan, build_attention_metadata
 from prefixserve.attention.triton_backend import TritonAttentionBackend

@@ -8,7 +8,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from prefixserve.api import serving_messages
+import prefixserve.api.serving_messages as serving_messages
 from prefixserve.api.messages_prompt import to_chat_request
 from prefixserve.api.messages_stream import BlockEvents
 from prefixserve.api.protocol import APIError

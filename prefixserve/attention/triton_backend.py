@@ -46,16 +46,16 @@ from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.errors import BackendUnavailableError
 
 if find_spec("triton") is not None:
-    from prefixserve.kernels import (
+    from prefixserve.kernels.block_copy import copy_blocks
+    from prefixserve.kernels.cascade_attention import (
         CascadeGroups,
         cascade_decode_attention,
         cascade_pays,
-        copy_blocks,
-        decode_attention,
-        extend_attention,
-        interpreter_enabled,
-        store_kv_cache,
     )
+    from prefixserve.kernels.decode_attention import decode_attention
+    from prefixserve.kernels.extend_attention import extend_attention
+    from prefixserve.kernels.interpreter import interpreter_enabled
+    from prefixserve.kernels.kv_store import store_kv_cache
 
 
 def check_triton_available(device: torch.device | str) -> None:
