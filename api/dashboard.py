@@ -22,7 +22,8 @@ _PAGE = Path(__file__).parent / "static" / "dashboard.html"
 
 def stats(engine: AsyncEngine, metrics: ServerMetrics) -> dict:
     """Current engine figures: cache counters in tokens, blocks by state, queues, token totals, TTFT,
-    and the engine's steps with their cumulative seconds by phase (``EngineStats.step_times``)."""
+    the engine's steps with their cumulative seconds by phase (``EngineStats.step_times``), and
+    how decode steps replay (``EngineStats.decode_replay``: compile or capture seconds)."""
     snap = engine.snapshot()
     ttft_sum, ttft_count = metrics.ttft_totals()
     recent = metrics.recent_ttft()
@@ -41,6 +42,7 @@ def stats(engine: AsyncEngine, metrics: ServerMetrics) -> dict:
         "spec_decode": snap.spec_decode,  # None when speculative decoding is off
         "num_steps": snap.num_steps,
         "step_times": dataclasses.asdict(snap.step_times),
+        "decode_replay": snap.decode_replay,  # None when decode steps run eagerly
     }
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 from prefixserve.errors import InvalidArgumentError, require
@@ -13,6 +14,13 @@ _BACKENDS = ("auto", "torch", "triton")
 _POLICIES = ("fcfs", "prefix")
 _QUANTIZATIONS = (None, "int8", "int4")
 DEFAULT_CPU_KV_CACHE_GB = 1.0
+ENFORCE_EAGER_ENV = "PREFIXSERVE_ENFORCE_EAGER"
+
+
+def _enforce_eager_default() -> bool:
+    """``enforce_eager``'s default: ``PREFIXSERVE_ENFORCE_EAGER=1`` (the test suite sets it:
+    compiling each of its hundreds of short-lived engines would cost more than it runs)."""
+    return os.environ.get(ENFORCE_EAGER_ENV, "0") == "1"
 
 
 @dataclass
@@ -26,10 +34,11 @@ class EngineConfig:
     the text it forces (JSON keys, a forced tool call's name) without sampling it token by token.
     ``kv_events_endpoint`` (e.g. ``tcp://*:5557``): publish the prefix cache's changes there
     (vLLM's KV-event format, ZMQ PUB), with a replay socket at ``kv_events_replay_endpoint``.
-    ``enforce_eager``: run every step eagerly; otherwise, on CUDA with the Triton backend, decode
-    steps replay CUDA graphs captured at start-up (``prefixserve.cuda_graphs``), and on CPU
-    float32 linear weights get a oneDNN-prepacked copy for multi-row decode (``models/llama.py``)
-    when it fits a quarter of the available memory (``model_runner.PREPACK_MEMORY_SHARE``).
+    ``enforce_eager``: run every step eagerly; otherwise decode steps replay a capture made at
+    start-up (``prefixserve.decode_replay``): CUDA graphs with the Triton backend on CUDA, a
+    ``torch.compile``d step on CPU (float32), with Inductor's cache in ``compile_cache_dir``
+    (default ``~/.cache/prefixserve/inductor``, unless ``TORCHINDUCTOR_CACHE_DIR`` is set).
+    Default off, or on where ``PREFIXSERVE_ENFORCE_EAGER=1``.
     ``quantization`` (int8 / int4): weight-only quantization of the decoder's linear layers
     (``prefixserve.models.quantization``). ``gguf_dequantize``: load a GGUF file's quantized
     tensors as float instead of keeping them quantized (``prefixserve.models.gguf_loader``).
@@ -57,7 +66,8 @@ class EngineConfig:
     revision: str | None = None
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
-    enforce_eager: bool = False
+    enforce_eager: bool = field(default_factory=_enforce_eager_default)
+    compile_cache_dir: str | None = None
     quantization: str | None = None
     gguf_dequantize: bool = False
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None

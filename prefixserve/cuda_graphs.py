@@ -1,4 +1,5 @@
-"""CUDA graphs for decode steps: the model's forward captured once per batch size, then replayed.
+"""CUDA graphs for decode steps: the model's forward captured once per batch size, then replayed
+(the GPU side of ``decode_replay.DecodeReplay``).
 
 A decode step of a small model is bound by kernel launches (Qwen3-0.6B: 28 layers of about 15
 launches each), not by the GPU. At start-up ``capture`` records the whole forward, attention
@@ -15,11 +16,10 @@ inputs into those buffers and replays the graph of the next captured size up::
                                      after are stale and never read (seq_len_i <= its width x bs)
       hidden [B, hidden_size]        the graph's output; rows < n belong to the step
 
-Which steps replay (``run`` returns None for the others, which the caller runs eagerly): every
-scheduled sequence has one query token and the forward computes every row's last layer (the
-model's ``keep`` is None, as when every row samples), there are at most B of them, their block
-tables are at most W wide, and the step's attention plan takes no cascade. Prefill and mixed
-steps run eagerly.
+Which steps replay (``run`` returns None for the others, which the caller runs eagerly): those
+``DecodeReplay.replays`` admits (decodes alone, every row sampling, at most B of them) whose block
+tables are at most W wide and whose attention plan takes no cascade. Prefill and mixed steps run
+eagerly.
 
 Host-side ints are fixed per graph: the metadata a graph captured says ``max_seq_len =
 max_model_len`` (the engine's, ``EngineConfig.resolve_max_model_len``), so the decode kernel's
@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from prefixserve.attention.metadata import AttentionMetadata, SeqSpan, build_attention_metadata
+from prefixserve.decode_replay import DecodeReplay
 
 if TYPE_CHECKING:
     from prefixserve.attention.backend import AttentionBackend
@@ -74,13 +75,15 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted({s for s in (1, 2, 4, *range(8, cap + 1, 8)) if s <= cap} | {cap})
 
 
-class CUDAGraphRunner:
+class CUDAGraphRunner(DecodeReplay):
     """Replays captured decode forwards (the module docstring draws the static buffers).
 
     Invariants: a replayed step's rows < n equal the eager forward's up to the decode kernel's
     split count (a different float32 summation order); padded rows write and read no K/V; the
     graphs read ``kv_caches`` at the address they captured, so the cache is never reallocated.
     """
+
+    kind = "cuda_graphs"
 
     def __init__(
         self,
@@ -90,7 +93,8 @@ class CUDAGraphRunner:
         max_model_len: int,
         block_size: int,
     ) -> None:
-        self.model, self.backend, self.sizes = model, backend, sizes
+        super().__init__(sizes)
+        self.model, self.backend = model, backend
         self.max_model_len, self.block_size = max_model_len, block_size
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -111,11 +115,8 @@ class CUDAGraphRunner:
     def create(
         cls, config: EngineConfig, model: LlamaForCausalLM, backend: AttentionBackend
     ) -> CUDAGraphRunner | None:
-        """The runner for ``config``, or None where graphs are off: ``enforce_eager``, a device
-        other than CUDA, or the torch backend (which plans each step from host copies)."""
-        device = next(model.parameters()).device
-        if config.enforce_eager or device.type != "cuda":
-            return None
+        """The runner for ``config`` on CUDA, or None with the torch backend (which plans each
+        step from host copies)."""
         if backend.name != "triton":
             logger.info("CUDA graphs need attention_backend='triton'; decode steps run eagerly")
             return None
@@ -154,6 +155,7 @@ class CUDAGraphRunner:
         free_before = torch.cuda.mem_get_info(self.device)[0] if on_cuda else 0
         pool = None
         for bs in reversed(self.sizes):
+            bucket_start = time.perf_counter()
             self._forward(bs, kv_caches)  # warm-up: kernels compile outside the capture
             if not on_cuda:
                 self.graphs[bs] = partial(self._forward, bs, kv_caches)
@@ -163,6 +165,7 @@ class CUDAGraphRunner:
                 self._forward(bs, kv_caches)
             pool = graph.pool() if pool is None else pool
             self.graphs[bs] = graph.replay
+            self.capture_seconds[str(bs)] = time.perf_counter() - bucket_start
         if on_cuda:
             torch.cuda.synchronize(self.device)
             used = free_before - torch.cuda.mem_get_info(self.device)[0]
@@ -187,9 +190,7 @@ class CUDAGraphRunner:
         valid until the next step), or None when the step is not one that replays."""
         n = md.num_seqs
         if (
-            keep is not None
-            or md.num_decodes != n
-            or n > self.sizes[-1]
+            not self.replays(md, keep)
             or md.block_tables.shape[1] > self.metadata.block_tables.shape[1]
             or self.backend.plan(md, kv_caches[0]).cascade is not None
         ):
@@ -204,4 +205,5 @@ class CUDAGraphRunner:
         static.seq_lens[n:bs].zero_()
         static.block_tables[:n, : md.block_tables.shape[1]].copy_(md.block_tables)
         self.graphs[bs]()
+        self.replayed_steps += 1
         return self.hidden[:n]

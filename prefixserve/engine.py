@@ -84,6 +84,9 @@ class EngineStats:
     structured_outputs: dict[str, Any]
     # speculative decoding (``SpecDecodeStats.snapshot``); None when it is off
     spec_decode: dict[str, Any] | None = None
+    # replayed decode steps (``DecodeReplay.stats``: kind, buckets, capture seconds, steps);
+    # None when every step runs eagerly
+    decode_replay: dict[str, Any] | None = None
 
 
 class LLMEngine:
@@ -293,6 +296,9 @@ class LLMEngine:
             },
             spec_decode=proposer.stats.snapshot()
             if (proposer := self.scheduler.proposer) is not None
+            else None,
+            decode_replay=replay.stats()
+            if (replay := self.runner.decode_replay) is not None
             else None,
         )
 

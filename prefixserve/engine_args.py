@@ -36,8 +36,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument(
         "--enforce-eager",
-        action="store_true",
-        help="no CUDA graphs: run decode steps eagerly too; on CPU, no prepacked weight copy",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run decode steps eagerly: no CUDA graphs, no compiled CPU step (default: "
+        "PREFIXSERVE_ENFORCE_EAGER=1 in the environment, else off)",
+    )
+    p.add_argument(
+        "--compile-cache-dir",
+        default=None,
+        help="Inductor's cache of compiled CPU decode steps (default ~/.cache/prefixserve/inductor)",
     )
     p.add_argument(
         "--quantization",
@@ -69,7 +76,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """``EngineConfig(**engine_kwargs(args))`` for arguments parsed with ``add_engine_args``."""
+    optional = {"enforce_eager": args.enforce_eager}
     return dict(
+        {k: v for k, v in optional.items() if v is not None},
         model=_model(args),
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
@@ -83,7 +92,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         device=args.device,
         dtype=args.dtype,
         attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
+        compile_cache_dir=args.compile_cache_dir,
         quantization=args.quantization,
         gguf_dequantize=args.gguf_dequantize,
         seed=args.seed,

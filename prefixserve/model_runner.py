@@ -2,8 +2,9 @@
 
 Per step: perform the copy-on-write block copies, lay the batch out (decodes first; sequences
 that share leading blocks next to each other, so each prefix group's tokens are one slice), build
-``input_ids`` and the ``AttentionMetadata``, run the model once (a decode step on CUDA replays a
-CUDA graph captured at start-up, ``prefixserve.cuda_graphs``), and compute logits only at the
+``input_ids`` and the ``AttentionMetadata``, run the model once (a decode step replays a capture
+made at start-up, ``prefixserve.decode_replay``: a CUDA graph, or a compiled step on CPU), and
+compute logits only at the
 last token of every sequence that samples (a speculating sequence: its last token and each of its
 draft tokens, which run right after it). It reads sequences and never changes them.
 """
@@ -20,37 +21,12 @@ import torch
 from prefixserve.attention.metadata import SeqSpan, build_attention_metadata
 from prefixserve.attention.selector import get_attention_backend
 from prefixserve.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
-from prefixserve.cuda_graphs import CUDAGraphRunner
+from prefixserve.decode_replay import create_decode_replay
 from prefixserve.errors import CacheCapacityError, InvalidArgumentError
 from prefixserve.models.loader import load_model
 from prefixserve.scheduler_output import ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-# the prepacked copy of the weights (multi-row CPU decode) may take at most this share of the
-# memory available when the model is loaded; a larger model runs on its one copy
-PREPACK_MEMORY_SHARE = 0.25
-
-
-def available_memory_bytes() -> int | None:
-    """``MemAvailable`` of /proc/meminfo (None where it cannot be read)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def prepack_fits(model: torch.nn.Module) -> bool:
-    """Whether a second, prepacked copy of ``model``'s weights fits ``PREPACK_MEMORY_SHARE`` of
-    the available memory (no, where that is unknown)."""
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    available = available_memory_bytes()
-    return available is not None and weight_bytes <= PREPACK_MEMORY_SHARE * available
-
 
 class ModelRunnerOutput(NamedTuple):
     """``samplers``: the scheduled sequences that sample this step; ``samplers[i]`` owns
@@ -93,16 +69,10 @@ class ModelRunner:
             quantization=config.quantization,
             gguf_dequantize=config.gguf_dequantize,
         )
-        self.dtype = next(self.model.parameters()).dtype
-        prepack = getattr(self.model, "prepack_cpu_weights", None)  # multi-row decode (llama.py)
-        if self.device.type == "cpu" and not config.enforce_eager and prepack is not None:
-            if not prepack_fits(self.model):
-                logger.info("weights not prepacked: a second copy would not fit in memory")
-            elif prepack():
-                logger.info("linear weights prepacked for multi-row CPU decode (oneDNN)")
+        self.dtype = self.model.model.norm.weight.dtype
         self.block_size = config.block_size
-        # decode steps replay CUDA graphs (None: off); their memory is left out of the KV budget
-        self.graphs = CUDAGraphRunner.create(config, self.model, self.attn_backend)
+        # decode steps replay captures (None: off); their memory is left out of the KV budget
+        self.decode_replay = create_decode_replay(config, self.model, self.attn_backend)
         self.num_blocks = self._num_kv_blocks()
         mc = self.model_config
         shape = (mc.num_hidden_layers, 2, self.num_blocks, self.block_size,
@@ -114,8 +84,13 @@ class ModelRunner:
             self.block_size,
             self.kv_caches.numel() * self.kv_caches.element_size() / 2**30,
         )
-        if self.graphs is not None:
-            self.graphs.capture(self.kv_caches)
+        if self.decode_replay is not None:
+            try:
+                self.decode_replay.capture(self.kv_caches)
+            except Exception as e:  # a capture that fails leaves the eager path, never a crash
+                logger.warning("decode steps run eagerly: capture failed (%s: %s)",
+                               type(e).__name__, e)  # fmt: skip
+                self.decode_replay = None
 
     def _bytes_per_block(self) -> int:
         mc = self.model_config
@@ -128,9 +103,9 @@ class ModelRunner:
         if self.config.kv_cache_memory_gb is not None:
             budget = self.config.kv_cache_memory_gb * 2**30
         elif self.device.type == "cuda":
-            graphs = self.graphs.profile() if self.graphs is not None else 0
+            replay = self.decode_replay.profile() if self.decode_replay is not None else 0
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = 0.9 * free - graphs
+            budget = 0.9 * free - replay
         else:
             budget = DEFAULT_CPU_KV_CACHE_GB * 2**30
         num_blocks = int(budget // self._bytes_per_block())
@@ -178,8 +153,8 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         t1 = time.perf_counter()
         hidden = None
-        if self.graphs is not None:  # a decode step replays its batch size's graph
-            hidden = self.graphs.run(ids, positions, self.kv_caches, meta, keep)
+        if self.decode_replay is not None:  # a decode step replays its capture
+            hidden = self.decode_replay.run(ids, positions, self.kv_caches, meta, keep)
         if hidden is None:
             hidden = self.model(ids, positions, self.kv_caches, meta, keep)
         if keep is None and len(sample_rows) < len(input_ids):

@@ -1,4 +1,5 @@
-"""Test-wide setup: Triton kernels run through the interpreter on machines without a GPU.
+"""Test-wide setup: Triton kernels run through the interpreter on machines without a GPU, and
+engines run eagerly by default (``PREFIXSERVE_ENFORCE_EAGER``).
 
 TRITON_INTERPRET is read when kernels are defined, so it must be set before any test imports
 ``prefixserve.kernels``; conftest.py runs first.
@@ -14,6 +15,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Engines run eagerly unless a test asks for compiled decode steps (``enforce_eager=False``, or
+# the variable at 0 for a server): compiling each of the suite's short-lived engines would cost
+# more than the suite runs. Servers the tests start inherit it.
+os.environ.setdefault("PREFIXSERVE_ENFORCE_EAGER", "1")
 # Test shapes are tiny: one thread is fastest and keeps timings steady on a shared machine.
 torch.set_num_threads(1)
 

@@ -1,23 +1,37 @@
-"""The reference a quantized linear is tested against: the same weight, the same rounding."""
+"""The reference a quantized model is tested against: transformers on the same checkpoint, with
+every matrix prefixserve quantizes replaced by what its kernel multiplies by (the scheme's
+``dequantize()``: the kernels keep activations in float32, so only summation order differs)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from prefixserve.models.linear import VOCAB_SCHEME
+from prefixserve.models.quantization import GROUP_SIZE, quantize
+
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-class KernelLinear(torch.nn.Module):
-    """What a quantized linear computes: ``round(round(x) @ W^T) + b``, with ``round`` to
-    bfloat16 on the packed kernels and the identity on the portable path."""
+@torch.no_grad()
+def dequantized_reference(hf: torch.nn.Module, method: str) -> torch.nn.Module:
+    """``hf`` (a transformers causal LM) with its decoder linears (MoE experts included)
+    quantized by ``method`` and its
+    vocabulary (embedding and lm_head) by ``VOCAB_SCHEME``, as ``LLM(quantization=method)``
+    holds them; matrices whose width is not whole groups stay as they are."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> None:
-        super().__init__()
-        self.weight, self.bias, self.packed = weight, bias, packed
+    def requantize(w: torch.Tensor, scheme: str) -> None:
+        if w.shape[1] % GROUP_SIZE == 0:
+            w.copy_(quantize(w, scheme).dequantize())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            x = x.to(torch.bfloat16).float()
-        y = F.linear(x, self.weight)
-        if self.packed:
-            y = y.to(torch.bfloat16).float()
-        return y if self.bias is None else y + self.bias
+    for name, module in hf.named_modules():
+        if name.rpartition(".")[2] in _LINEARS and ".layers." in f".{name}.":
+            requantize(module.weight, method)
+    for name, param in hf.named_parameters():  # MoE experts, stacked [E, N, K]
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            for expert in param:
+                requantize(expert, method)
+    requantize(hf.get_input_embeddings().weight, VOCAB_SCHEME)
+    head = hf.get_output_embeddings().weight
+    if head.data_ptr() != hf.get_input_embeddings().weight.data_ptr():
+        requantize(head, VOCAB_SCHEME)
+    return hf

@@ -165,7 +165,7 @@ def _llm(folder, enforce_eager: bool, **kw) -> LLM:
 
 def _replays(llm: LLM, monkeypatch) -> list[int]:
     """Records the batch size of every decode step the engine replays from a graph."""
-    graphs = llm.llm_engine.runner.graphs
+    graphs = llm.llm_engine.runner.decode_replay
     assert graphs is not None
     seen: list[int] = []
     real = graphs.run
@@ -197,7 +197,7 @@ def test_graphs_give_the_eager_greedy_tokens(qwen3, monkeypatch):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = _prompts(12, seed=0)
     eager = _llm(qwen3, True)
-    assert eager.llm_engine.runner.graphs is None
+    assert eager.llm_engine.runner.decode_replay is None
     ref = eager.generate(prompts, params, use_tqdm=False)
     llm = _llm(qwen3, False)
     replays = _replays(llm, monkeypatch)
@@ -275,7 +275,8 @@ def test_graphs_are_off_without_cuda_and_with_enforce_eager(qwen3):
     with pytest.raises(InvalidArgumentError, match="enforce_eager"):
         EngineConfig(enforce_eager="yes")
     llm = LLM(str(qwen3), attention_backend="triton", device="cpu", num_kv_blocks=16)
-    assert llm.llm_engine.runner.graphs is None  # graphs exist on CUDA only
+    replay = llm.llm_engine.runner.decode_replay  # graphs exist on CUDA only
+    assert replay is None or replay.kind != "cuda_graphs"
     if torch.cuda.is_available():
         llm = LLM(str(qwen3), attention_backend="triton", enforce_eager=True, num_kv_blocks=16)
-        assert llm.llm_engine.runner.graphs is None
+        assert llm.llm_engine.runner.decode_replay is None

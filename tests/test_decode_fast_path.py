@@ -1,7 +1,6 @@
 """The decode fast paths give the same bits as the formulas they replace: rope written as
 ``x * cos + roll(x) * sin``, ``torch.rms_norm`` in float32, one rotation for q and k together,
-and the torch backend's pure-decode attention against its general path; the oneDNN-prepacked
-linear runs only multi-row batches, and only where the engine turned it on."""
+and the torch backend's pure-decode attention against its general path."""
 
 from __future__ import annotations
 
@@ -9,9 +8,9 @@ import pytest
 import torch
 from attn_utils import BlockAllocator, build_attn_metadata
 
-from prefixserve import LLM, SamplingParams, model_runner
+from prefixserve.attention import torch_backend
 from prefixserve.attention.torch_backend import TorchAttentionBackend
-from prefixserve.models.llama import PACKED_MAX_ROWS, Linear, RMSNorm, apply_rope, can_prepack
+from prefixserve.models.llama import RMSNorm, apply_rope
 
 
 def _rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -65,9 +64,11 @@ def test_rms_norm_bfloat16_still_computes_in_float32():
 
 @pytest.mark.parametrize("block_size", [8, 16])
 @pytest.mark.parametrize("gqa", [1, 3])
-def test_pure_decode_step_equals_the_general_path_bitwise(block_size, gqa):
+def test_pure_decode_step_equals_the_general_path_bitwise(block_size, gqa, monkeypatch):
     """Decodes alone take the fast path; with a prefill chunk in the batch they take the general
-    one (lse kept for merging). Both must give each decode the same bits and write the same K/V."""
+    one (lse kept for merging). Both must give each decode the same bits and write the same K/V.
+    (The torch fast path: the C++ decode kernel, where it applies, is ``test_cpu_attention``'s.)"""
+    monkeypatch.setattr(torch_backend, "_cpu_kernel_applies", lambda query: False)
     nkv, hd = 2, 16
     nh = nkv * gqa
     decodes = [(5, 1), (17, 1), (40, 1)]
@@ -95,49 +96,3 @@ def test_pure_decode_step_equals_the_general_path_bitwise(block_size, gqa):
     assert torch.equal(fast_cache[0].view(-1, nkv, hd)[written], key[:n])
     assert torch.equal(fast_cache[1].view(-1, nkv, hd)[written], value[:n])
     assert torch.equal(general_cache[0].view(-1, nkv, hd)[written], key[:n])
-
-
-@pytest.mark.parametrize("bias", [False, True])
-def test_prepacked_linear_runs_multi_row_batches_only(bias):
-    """2 .. PACKED_MAX_ROWS rows run on the oneDNN copy (equal within float32 rounding); one row
-    and larger batches keep F.linear on the plain weight, bit for bit."""
-    gen = torch.Generator().manual_seed(1)
-    linear = Linear(96, 80, bias)
-    linear.weight.copy_(torch.randn(80, 96, generator=gen))
-    if bias:
-        linear.bias.copy_(torch.randn(80, generator=gen))
-    linear.prepack()
-    for rows in (1, 2, 8, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1):
-        x = torch.randn(rows, 96, generator=gen)
-        expected = torch.nn.functional.linear(x, linear.weight, linear.bias)
-        assert linear.uses_packed(x) == (1 < rows <= PACKED_MAX_ROWS)
-        if linear.uses_packed(x):
-            torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
-        else:
-            assert torch.equal(linear(x), expected)
-
-
-@pytest.mark.parametrize("enforce_eager", [False, True])
-def test_engine_prepacks_cpu_weights_unless_eager(enforce_eager):
-    llm = LLM(enforce_eager=enforce_eager, num_kv_blocks=64)
-    model = llm.llm_engine.runner.model
-    packed = [m.packed is not None for m in model.modules() if isinstance(m, Linear)]
-    assert packed and all(p != enforce_eager for p in packed)
-    assert (model.lm_head_packed is None) == enforce_eager
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    outs = llm.generate([[5, 6, 7], [8, 9, 10, 11], [12]], params)  # 3 rows per decode step
-    assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
-
-
-def test_no_prepacked_copy_where_it_would_not_fit(monkeypatch):
-    monkeypatch.setattr(model_runner, "available_memory_bytes", lambda: 4 * 1024)
-    model = LLM(num_kv_blocks=64).llm_engine.runner.model
-    assert model.lm_head_packed is None
-    monkeypatch.setattr(model_runner, "available_memory_bytes", lambda: None)  # unknown: none
-    assert not model_runner.prepack_fits(model)
-    monkeypatch.setattr(model_runner, "available_memory_bytes", lambda: 1 << 40)
-    assert model_runner.prepack_fits(model)
-
-
-def test_bfloat16_weights_are_not_prepacked():
-    assert not can_prepack(torch.empty(4, 4, dtype=torch.bfloat16))

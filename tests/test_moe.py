@@ -11,7 +11,8 @@ import json
 import pytest
 import torch
 import transformers
-from checkpoints import make_checkpoint
+from checkpoints import load_hf_model, make_checkpoint
+from quant_reference import dequantized_reference
 from safetensors.torch import load_file, save_file
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_moe
 
@@ -169,9 +170,10 @@ def test_stacked_expert_checkpoint_loads_the_same(moe_folder, tmp_path):
         return {**tensors, **out}
 
     _rewrite(moe_folder, tmp_path / "stacked", stack)
-    per_expert, stacked = _load(moe_folder), _load(tmp_path / "stacked")
-    for (name, a), (_, b) in zip(per_expert.named_parameters(), stacked.named_parameters()):
-        assert torch.equal(a, b), name
+    per_expert, stacked = _load(moe_folder).state_dict(), _load(tmp_path / "stacked").state_dict()
+    assert per_expert.keys() == stacked.keys()
+    for name, a in per_expert.items():
+        assert torch.equal(a, stacked[name]), name
 
 
 @pytest.mark.parametrize(
@@ -214,3 +216,24 @@ def test_forked_and_preempted_sampling_on_moe(moe_folder):
     )
     assert single[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
     assert tight.cache_stats()["used_blocks"] == 0
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_experts_equal_transformers_on_their_dequantized_weights(moe_folder, method):
+    """``--quantization`` reaches the experts (one kernel per expert matrix) and the model
+    still matches transformers run on the same dequantized weights."""
+    llm = LLM(str(moe_folder), num_kv_blocks=64, quantization=method)
+    block = llm.llm_engine.runner.model.model.layers[0].mlp
+    assert block.experts.gate_up_proj is None and len(block.experts.kernels_gate_up) == 8
+    assert type(block.experts.kernels_down[0]).__name__ == f"PackedInt{method[-1]}"
+    hf = dequantized_reference(load_hf_model(moe_folder), method)
+    prompts = [list(range(5, 30)), [7, 1, 99, 42]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        tokens = out.outputs[0].token_ids
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
+        ref = torch.log_softmax(logits.float(), dim=-1)
+        assert tokens == ref.argmax(-1).tolist()
+        for pos, (tok, lp) in enumerate(zip(tokens, out.outputs[0].logprobs)):
+            assert abs(lp[tok] - float(ref[pos, tok])) < 1e-4

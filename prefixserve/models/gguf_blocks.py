@@ -1,17 +1,22 @@
-"""GGUF's 4-bit block types read straight into prefixserve's int4 layout (``Int4Weight``).
+"""GGUF's 8-bit and 4-bit block types read straight into prefixserve's schemes (``Int8Weight``,
+``Int4Weight``): the file's codes, and its float16 scales as the groups' parameters.
 
-Every type below stores 32-value groups whose values are ``a * q + b`` with a 4-bit code ``q``
-and per-group ``a``, ``b``; int4 writes the same value as ``(q - 8) * scale + zero``, so the
-codes are kept and ``scale = a``, ``zero = b + 8 a`` (computed in float32 from the file's
-float16 numbers). Byte layouts (ggml, little-endian, one row = consecutive blocks):
+Every type below stores 32-value groups whose values are ``a * q + b`` with a code ``q`` and
+per-group ``a``, ``b``; the schemes write the same value as ``q * scale + shift`` (int8: no
+shift), so ``scale = a``, ``shift = b``. Byte layouts (ggml, little-endian, one row =
+consecutive blocks):
 
-- Q4_0, 18 bytes / 32 values: f16 ``d``, 16 bytes of codes; value ``d * (q - 8)``.
+- Q8_0, 34 bytes / 32 values: f16 ``d``, 32 int8 codes; value ``d * q``.
+- Q4_0, 18 bytes / 32 values: f16 ``d``, 16 bytes of codes; value ``d * q - 8 d``.
 - Q4_1, 20 bytes / 32 values: f16 ``d``, f16 ``m``, 16 bytes of codes; value ``d * q + m``.
 - Q4_K, 144 bytes / 256 values: f16 ``d``, f16 ``dmin``, 12 bytes packing eight 6-bit
   (scale, min) pairs, 128 bytes of codes; group ``s`` has value ``d*sc_s * q - dmin*m_s``.
 
-In Q4_0 / Q4_1 byte ``j`` of the codes holds value ``j`` (low nibble) and ``j + 16`` (high
-nibble). In Q4_K each 32 code bytes hold two groups: low nibbles the first, high the second.
+Q8_0, Q4_0 and Q4_1 are kept exactly (their parameters are float16 numbers). Q4_K's ``d*sc_s``
+and ``dmin*m_s`` are rounded to float16, as the scheme keeps them (relative error at most 2^-11
+of a group's step). In Q4_0 / Q4_1 byte ``j`` of the codes holds value ``j`` (low nibble) and
+``j + 16`` (high nibble). In Q4_K each 32 code bytes hold two groups: low nibbles the first, high
+the second.
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from prefixserve.models.quantization import Int4Weight
+from prefixserve.models.quantization import Int4Weight, Int8Weight
 
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+INT8_TYPES = ("Q8_0",)
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -34,12 +40,25 @@ def _nibbles_32(codes: np.ndarray) -> np.ndarray:
     return np.concatenate([codes & 0xF, codes >> 4], axis=-1)
 
 
+def _params(a: np.ndarray) -> torch.Tensor:
+    """Per-group parameters as the schemes keep them: float16 values in float32."""
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).half().float()
+
+
 def _int4(q: np.ndarray, a: np.ndarray, b: np.ndarray, rows: int) -> Int4Weight:
     """Codes ``[rows, groups, 32]``, per-group ``a``, ``b`` ``[rows, groups]`` -> Int4Weight."""
-    scales = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
-    zeros = torch.from_numpy(np.ascontiguousarray(b + 8 * a, dtype=np.float32))
     qvalues = torch.from_numpy(np.ascontiguousarray(q.reshape(rows, -1), dtype=np.uint8))
-    return Int4Weight(qvalues, scales, zeros, 32)
+    return Int4Weight(qvalues, _params(a), _params(b), 32)
+
+
+def read_int8(kind: str, data: np.ndarray) -> Int8Weight:
+    """``data``: uint8 ``[rows, bytes_per_row]`` of ``kind`` (one of ``INT8_TYPES``)."""
+    assert kind == "Q8_0", kind
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, 34)
+    d = _f16(blocks[..., 0:2])
+    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, -1)
+    return Int8Weight(torch.from_numpy(q.copy()), _params(d), 32)
 
 
 def read_int4(kind: str, data: np.ndarray) -> Int4Weight:

@@ -6,19 +6,19 @@ become Hugging Face named weights, with llama.cpp's reordering of a llama file's
 for its interleaved rope) undone, so ``LlamaForCausalLM.load_weights`` takes them as from
 safetensors.
 
-Quantized tensors of the decoder's linear layers are kept quantized, in the closest scheme of
-``prefixserve.models.quantization`` (unless ``dequantize``):
+Quantized matrices (the decoder's linears, the token embedding, an untied output) are kept
+quantized, in the closest scheme of ``prefixserve.models.quantization`` (unless ``dequantize``):
 
 ============================  ==============================================================
 GGUF type                     kept as
 ============================  ==============================================================
-Q4_0, Q4_1, Q4_K              int4, group 32: the file's codes, scales and mins, exactly
-Q8_0                          int8 per channel, re-quantized from the Q8_0 values (not exact)
+Q8_0                          int8, group 32: the file's codes and scales, exactly
+Q4_0, Q4_1, Q4_K              int4, group 32: the file's codes, scales and mins (``gguf_blocks``)
 F32, F16, BF16, other types   dequantized to the model dtype
 ============================  ==============================================================
 
 A fused layer (qkv, gate_up) is kept quantized only when all its parts map to one scheme.
-Embeddings, ``lm_head`` and norms are always dequantized. The tokenizer and its chat template
+Norms are always dequantized. The tokenizer and its chat template
 come from the file's ``tokenizer.ggml.*`` metadata, built by transformers (``gguf_file=``).
 """
 
@@ -33,7 +33,7 @@ import torch
 
 from prefixserve.errors import ModelLoadError, UnsupportedModelError
 from prefixserve.models.config import ModelConfig
-from prefixserve.models.quantization import QuantizedWeight, quantize_int8
+from prefixserve.models.quantization import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class GGUFCheckpoint:
             kind = tensor.tensor_type.name
             data = np.asarray(tensor.data)
             quantized = None
-            if not self.dequantize and name.endswith("_proj.weight"):
+            if not self.dequantize and name.endswith(_QUANTIZABLE):
                 quantized = _keep_quantized(kind, data)
             if quantized is not None:
                 values = quantized.dequantize()
@@ -193,16 +193,17 @@ def gguf_tokenizer(path: str | Path):
         ) from e
 
 
+# the HF weight names whose GGUF tensors may stay quantized: linears and the vocabulary
+_QUANTIZABLE = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
+
+
 def _keep_quantized(kind: str, data: np.ndarray) -> QuantizedWeight | None:
-    from prefixserve.models.gguf_blocks import INT4_TYPES, read_int4
+    from prefixserve.models.gguf_blocks import INT4_TYPES, INT8_TYPES, read_int4, read_int8
 
     if kind in INT4_TYPES:
         return read_int4(kind, data)
-    if kind == "Q8_0":
-        from gguf import GGMLQuantizationType
-
-        values = _dequantize(kind, data, GGMLQuantizationType.Q8_0)
-        return quantize_int8(torch.from_numpy(values))
+    if kind in INT8_TYPES:
+        return read_int8(kind, data)
     return None
 
 

@@ -7,16 +7,20 @@ attention knows where one sequence ends. Parameters are created uninitialized; `
 fills every one of them (it raises if any is left over). q/k/v and gate/up are fused into one
 matmul each; their Hugging Face names are mapped onto slices of the fused weights.
 
-Only the tokens that sample need the last layer's output. Given ``keep`` (those rows), the last
-layer computes K/V for every token, since later tokens attend to them, and queries, attention,
-``o_proj`` and the MLP for the kept rows alone: on a prefill of N tokens that skips nearly
-1 / num_layers of the work, with the same values for the rows that sample.
+Every weight matrix is a ``linear.Linear`` whose kernel is chosen at load (``finalize``): on CPU
+the block-layout kernels of ``prefixserve.kernels.cpu_linear``, float or quantized. The
+vocabulary matrix ``embed_tokens`` gives the token embeddings (``rows``) and, when tied, is the
+lm_head.
 
-A CPU decode step is a few small matmuls per layer, so every other op is dispatch overhead
-(about 45 top-level ops per layer): rope's cos/sin are gathered once per forward and q and k are
-rotated in one call; float32 norms are one ``torch.rms_norm``; multi-row matmuls run on
-oneDNN-prepacked weights (``PACKED_BATCH_HINT``). Each of these gives the same bits as the
-formula it replaces except the prepacked matmul (float32 rounding; ``tests/test_decode_fast_path``).
+Only the tokens that sample need the last layer's output. Given ``keep`` (those rows), the last
+layer computes K/V for every token, since later tokens attend to them, and attention, ``o_proj``
+and the MLP for the kept rows alone: on a prefill of N tokens that skips nearly 1 / num_layers of
+the work, with the same values for the rows that sample.
+
+A CPU decode step is a few small matmuls per layer, so every other op is overhead: rope's cos/sin
+are gathered once per forward and q and k are rotated in one call; float32 norms are one
+``torch.rms_norm``. Each gives the same bits as the formula it replaces
+(``tests/test_decode_fast_path``).
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixserve.attention.backend import AttentionBackend
+from prefixserve.attention.in_graph import IN_GRAPH, InGraph
 from prefixserve.attention.metadata import AttentionMetadata
 from prefixserve.errors import ModelLoadError
 from prefixserve.models.config import ModelConfig
+from prefixserve.models.linear import Linear, finalize_linears
 from prefixserve.models.moe import (
     SparseMoeBlock,
     expert_shard_view,
@@ -47,69 +53,6 @@ logger = logging.getLogger(__name__)
 Keep = tuple[torch.Tensor, AttentionMetadata | None]
 # Each token's rope cos and sin, (T, 1, head_dim) each (see ``RotaryEmbedding``).
 Rope = tuple[torch.Tensor, torch.Tensor]
-
-
-# Multi-row CPU decode runs on oneDNN-prepacked float32 weights (``Linear.prepack``): a layout
-# chosen for PACKED_BATCH_HINT rows, used for 2 .. PACKED_MAX_ROWS rows. MKL's sgemm, behind
-# F.linear, packs the weight on every call there; on SmolLM2's shapes (2-core AVX2 VM, one
-# thread) the packed weights take a step's matmuls from 75 to 39 ms at 8 rows (lm_head alone
-# 32 -> 11 ms), while one row is faster on MKL's GEMV (23 vs 27 ms), so it keeps the plain weight.
-PACKED_BATCH_HINT = 8
-PACKED_MAX_ROWS = 128
-
-
-def can_prepack(weight: torch.Tensor) -> bool:
-    """Whether ``prepack`` applies: a float32 CPU weight and a torch built with oneDNN."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.float32
-        and torch.backends.mkldnn.is_available()
-    )
-
-
-def prepack(weight: torch.Tensor) -> torch.Tensor:
-    """The weight in oneDNN's blocked layout (an opaque copy) for ``packed_linear``."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_BATCH_HINT)
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T + b`` on a weight from ``prepack``: one oneDNN inner product over ``x``'s rows
-    padded with zeros to the next power of two. oneDNN builds and caches a primitive per row
-    count and weight shape; padding keeps them to one per bucket (2, 4, ..., PACKED_MAX_ROWS),
-    so a server's memory stops growing once each bucket has run (without it, RSS grew ~20% in
-    a 20 s soak as new batch sizes kept arriving)."""
-    n = x.shape[0]
-    bucket = 1 << (n - 1).bit_length()
-    if bucket != n:
-        x = torch.cat([x, x.new_zeros(bucket - n, x.shape[1])])
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:n]
-
-
-class Linear(nn.Module):
-    """``y = x W^T + b`` with parameters left uninitialized until weights are loaded.
-
-    After ``prepack`` (CPU, float32: see ``PACKED_BATCH_HINT``) a batch of 2 .. PACKED_MAX_ROWS
-    rows runs on the packed copy; other batches, and any gradient-free reader of ``weight``
-    (the quantizer, the last layer's row selection), use the plain weight. The copy doubles the
-    memory of the weight; ``--enforce-eager`` leaves it out.
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.packed: torch.Tensor | None = None
-
-    def prepack(self) -> None:
-        self.packed = prepack(self.weight)
-
-    def uses_packed(self, x: torch.Tensor) -> bool:
-        return self.packed is not None and 1 < x.shape[0] <= PACKED_MAX_ROWS
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.uses_packed(x):
-            return packed_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -225,8 +168,19 @@ def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    """Self-attention of layer ``layer_idx`` over the paged cache. ``attn_metadata`` is the step's
+    ``AttentionMetadata``, or ``IN_GRAPH`` inside a compiled decode step, where attention is one
+    opaque op (``prefixserve.attention.in_graph``)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        layer_idx: int,
+    ):
         super().__init__()
+        self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = (
@@ -250,7 +204,7 @@ class Attention(nn.Module):
         rope: Rope,
         x: torch.Tensor,
         kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
+        attn_metadata: AttentionMetadata | InGraph,
         keep: Keep | None = None,
     ) -> torch.Tensor:  # (T, hidden), or (len(rows), hidden) with keep
         t = x.shape[0]
@@ -260,18 +214,12 @@ class Attention(nn.Module):
             qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)  # (T, nh+nkv, hd)
             q, k = apply_rope(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-            out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
+            out = self._attend(q, k, v, kv_cache, attn_metadata)
             return self.o_proj(out.reshape(t, self.q_size))
         rows = None if keep is None else keep[0]
-        if rows is None or not isinstance(self.qkv_proj, Linear):  # (quantized: all queries)
-            q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            if rows is not None:
-                q = q[rows]
-        else:  # every token's K/V, but queries only for the kept rows
-            w, b = self.qkv_proj.weight, self.qkv_proj.bias
-            kv = F.linear(x, w[self.q_size :], None if b is None else b[self.q_size :])
-            k, v = kv.split([self.kv_size, self.kv_size], dim=-1)
-            q = F.linear(x[rows], w[: self.q_size], None if b is None else b[: self.q_size])
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if rows is not None:  # every token's K/V, but queries only for the kept rows
+            q = q[rows]
         q = q.view(-1, self.num_heads, self.head_dim)  # (T or rows, nh, hd)
         k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, nkv, hd)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -285,47 +233,28 @@ class Attention(nn.Module):
             if rows_metadata is None:  # no row is kept: the K/V were all this layer had to do
                 return x.new_empty(0, x.shape[1])
             k, v, attn_metadata = k[rows], v[rows], rows_metadata
-        out = self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)  # (n, nh, hd)
+        out = self._attend(q, k, v, kv_cache, attn_metadata)  # (n, nh, hd)
         return self.o_proj(out.reshape(q.shape[0], self.q_size))
+
+    def _attend(self, q, k, v, kv_cache, attn_metadata) -> torch.Tensor:
+        if attn_metadata is IN_GRAPH:
+            return torch.ops.prefixserve.step_attention(q, k, v, self.layer_idx, self.scale)
+        return self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up fused into one matmul.
-
-    A CPU batch of at most ``TRANSPOSED_MAX_ROWS`` tokens (decode steps) with float weights
-    (not quantized ones, see ``quantization``), unless it runs on prepacked weights
-    (``Linear.prepack``), is computed transposed,
-    ``W @ x^T``, with the same values: MKL runs these wide, short products faster, which made a
-    whole decode forward of the bench model 1.23x faster at 64 rows and 1.32x at 16 on a 2-core
-    AVX2 machine (1.06x at 128 rows, where the gain ends).
-    """
-
-    TRANSPOSED_MAX_ROWS = 128
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up fused into one matmul."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(
             config.hidden_size, 2 * config.intermediate_size, config.mlp_bias
         )
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        transposed = x.device.type == "cpu" and x.shape[0] <= self.TRANSPOSED_MAX_ROWS
-        plain = isinstance(self.gate_up_proj, Linear)  # not quantized
-        if not transposed or not plain or self.gate_up_proj.uses_packed(x):
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        gate_up, down = self.gate_up_proj, self.down_proj
-        y = torch.mm(gate_up.weight, x.t())  # (2I, T)
-        if gate_up.bias is not None:
-            y += gate_up.bias[:, None]
-        out = torch.mm(
-            down.weight, F.silu(y[: self.intermediate_size]) * y[self.intermediate_size :]
-        )
-        if down.bias is not None:
-            out += down.bias[:, None]
-        return out.t()  # (T, hidden), a transposed view
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -338,7 +267,7 @@ class DecoderLayer(nn.Module):
     ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, rotary, backend)
+        self.self_attn = Attention(config, rotary, backend, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp: MLP | SparseMoeBlock
         if config.moe is not None and layer_idx in config.moe.layers:  # Qwen3-MoE sparse layer
@@ -356,15 +285,16 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         attn = self.self_attn(rope, self.input_layernorm(h), kv_cache, attn_metadata, keep)
         h = (h if keep is None else h[keep[0]]) + attn
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x = self.post_attention_layernorm(h)
+        if attn_metadata is IN_GRAPH and isinstance(self.mlp, SparseMoeBlock):
+            return h + torch.ops.prefixserve.step_moe(x, self.self_attn.layer_idx)
+        return h + self.mlp(x)
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = nn.Parameter(
-            torch.empty(config.vocab_size, config.hidden_size), requires_grad=False
-        )
+        self.embed_tokens = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary_emb = RotaryEmbedding(config)
         self.layers = nn.ModuleList(
             DecoderLayer(config, self.rotary_emb, backend, i)
@@ -390,16 +320,14 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, attn_backend)
-        self.lm_head_packed: torch.Tensor | None = None  # see ``prepack_cpu_weights``
+        self.lm_head: Linear | None = None  # tied: ``model.embed_tokens`` serves
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Parameter(
-                torch.empty(config.vocab_size, config.hidden_size), requires_grad=False
-            )
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @property
-    def lm_head_weight(self) -> torch.Tensor:
-        tied = self.config.tie_word_embeddings
-        return self.model.embed_tokens if tied else self.lm_head
+    def vocab_head(self) -> Linear:
+        """The matrix that turns final hidden states into logits."""
+        return self.model.embed_tokens if self.lm_head is None else self.lm_head
 
     @torch.inference_mode()
     def forward(
@@ -416,7 +344,7 @@ class LlamaForCausalLM(nn.Module):
         for those rows alone, since no other token's last-layer output is ever read.
         ``rows_metadata`` describes the kept rows as a batch of one query token each (None when
         ``rows`` is empty)."""
-        h = F.embedding(input_ids, self.model.embed_tokens)  # (T, hidden)
+        h = self.model.embed_tokens.rows(input_ids)  # (T, hidden)
         rope = self.model.rotary_emb(positions)  # the same cos/sin for every layer
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
@@ -426,21 +354,17 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` float32."""
-        n = hidden_states.shape[0]
-        if self.lm_head_packed is not None and 1 < n <= PACKED_MAX_ROWS:
-            return packed_linear(hidden_states, self.lm_head_packed, None)
-        return F.linear(hidden_states, self.lm_head_weight).float()
+        return self.vocab_head(hidden_states).float()
 
-    def prepack_cpu_weights(self) -> bool:
-        """Prepack every float32 ``Linear`` and the ``lm_head`` for multi-row CPU decode (see
-        ``PACKED_BATCH_HINT``); False, and nothing changed, where that does not apply."""
-        if not can_prepack(self.lm_head_weight):
-            return False
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.prepack()
-        self.lm_head_packed = prepack(self.lm_head_weight)
-        return True
+    def finalize(self, quantization: str | None, prequantized=None) -> dict[str, str]:
+        """Choose every linear's kernel once the weights are loaded (``linear.finalize_linears``):
+        quantized by ``quantization`` or as ``prequantized`` gives them; returns {module:
+        scheme} of the quantized ones. The float weights the kernels replace are dropped."""
+        done = finalize_linears(self, quantization, prequantized, self.source_weight_names)
+        for name, module in self.named_modules():
+            if isinstance(module, SparseMoeBlock) and (scheme := module.finalize(quantization)):
+                done[f"{name}.experts"] = scheme
+        return done
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -460,7 +384,7 @@ class LlamaForCausalLM(nn.Module):
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             target, shard = self._map_name(name)
-            if target == "lm_head" and self.config.tie_word_embeddings:
+            if target == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             if target not in params:
                 raise ModelLoadError(f"checkpoint holds weight {name!r}, which this model lacks")
@@ -494,7 +418,7 @@ class LlamaForCausalLM(nn.Module):
         """HF name -> (our parameter name, shard index within a fused weight, ``(expert, half)``
         within stacked experts, or None)."""
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-            return name.removesuffix(".weight"), None
+            return name, None
         expert = map_expert_name(name)  # Qwen3-MoE: one expert's projection
         if expert is not None:
             return expert

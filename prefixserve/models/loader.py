@@ -29,7 +29,6 @@ from prefixserve.models.config import ModelConfig
 from prefixserve.models.gguf_loader import GGUFCheckpoint, gguf_tokenizer, is_gguf
 from prefixserve.models.llama import LlamaForCausalLM
 from prefixserve.models.named_models import resolve_named_model
-from prefixserve.models.quantization import quantize_linears
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +48,9 @@ def load_model(
 ) -> tuple[LlamaForCausalLM, ModelConfig, str]:
     """Build and load ``model`` (None: the built-in model); return (model, config, name).
 
-    ``quantization`` (int8 / int4) quantizes the decoder's linears after loading. A GGUF file
-    keeps its quantized linears in their closest scheme unless ``gguf_dequantize``."""
+    Once loaded every matrix gets its kernel (``LlamaForCausalLM.finalize``): ``quantization``
+    (int8 / int4) quantizes the decoder's linears (and the vocabulary in int8); a GGUF file keeps
+    its quantized matrices in their closest scheme unless ``gguf_dequantize``."""
     gguf = None
     if model is None or model == BUILTIN_MODEL_NAME:
         config, weights, name = (
@@ -69,11 +69,10 @@ def load_model(
     with _default_dtype(torch_dtype), torch.device(device):
         llm = LlamaForCausalLM(config, attn_backend)
     llm.load_weights(weights)
-    prequantized = gguf.prequantized if gguf is not None else None
-    if quantization is not None or prequantized:
-        schemes = quantize_linears(llm, quantization, prequantized)
+    schemes = llm.finalize(quantization, gguf.prequantized if gguf is not None else None)
+    if schemes:
         counts = {s: list(schemes.values()).count(s) for s in sorted(set(schemes.values()))}
-        logger.info("quantized linear layers: %s", counts or "none")
+        logger.info("quantized matrices: %s", counts)
     llm.eval()
     logger.info("loaded %s (%s) as %s on %s", name, config.architecture, torch_dtype, device)
     return llm, config, name

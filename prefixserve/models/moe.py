@@ -9,12 +9,18 @@ them one expert at a time (``mlp.experts.{e}.gate_proj.weight``), mapped here on
 Two implementations compute the same sum, picked per model by the attention backend:
 - ``grouped_experts`` (torch backend, the CPU path): the ``T * top_k`` (token, expert) pairs
   sorted by expert, then one gate/up and one down matmul per active expert over its contiguous
-  run of tokens. Its loop runs on the host, so it reads the per-expert counts back.
+  run of tokens. Its loop runs on the host, so it reads the per-expert counts back. Once loaded
+  (``SparseMoeBlock.finalize``) every expert's two matrices get their own linear kernels
+  (``prefixserve.models.linear``), quantized like the other layers under ``--quantization``.
 - ``prefixserve.kernels.fused_moe`` (Triton backend: GPUs, or the interpreter on CPU): the same
   grouped GEMMs in two launches whose shapes depend on ``T`` alone, so CUDA graphs capture them.
+  It reads the stacked float weights, so experts stay unquantized on this path (logged).
 """
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +28,13 @@ from torch import nn
 
 from prefixserve.errors import ModelLoadError
 from prefixserve.models.config import MoEConfig
+from prefixserve.models.linear import LinearKernel, make_kernel
+from prefixserve.models.quantization import GROUP_SIZE, quantize
+
+logger = logging.getLogger(__name__)
+
+# one expert's matrix: a float [N, K] tensor (a slice of the stacked weights) or its kernel
+ExpertMatrix = torch.Tensor | LinearKernel
 
 
 def select_experts(
@@ -38,10 +51,14 @@ def select_experts(
     return topk_weights.to(router_logits.dtype), topk_ids
 
 
+def _matmul(w: ExpertMatrix, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w) if isinstance(w, torch.Tensor) else w(x, None)
+
+
 def grouped_experts(
     x: torch.Tensor,  # [T, H]
-    gate_up_proj: torch.Tensor,  # [E, 2I, H]
-    down_proj: torch.Tensor,  # [E, H, I]
+    gate_up_proj: Sequence[ExpertMatrix],  # E of [2I, H]: stacked [E, 2I, H] or kernels
+    down_proj: Sequence[ExpertMatrix],  # E of [H, I]
     topk_weights: torch.Tensor,  # [T, top_k]
     topk_ids: torch.Tensor,  # [T, top_k]
 ) -> torch.Tensor:  # [T, H]
@@ -51,11 +68,11 @@ def grouped_experts(
     token's contributions are then added in ascending expert order, the order transformers adds
     them in, so float32 results agree with it to the last bits the matmuls leave.
     """
-    top_k, inter = topk_ids.shape[1], down_proj.shape[2]
+    top_k = topk_ids.shape[1]
     flat_ids = topk_ids.flatten()
     order = flat_ids.argsort(stable=True)  # [T * top_k] pair indices, grouped by expert
     tokens = order // top_k
-    counts = torch.bincount(flat_ids, minlength=gate_up_proj.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=len(gate_up_proj)).tolist()
     xs = x[tokens]  # [T * top_k, H]
     out = torch.empty_like(xs)
     start = 0
@@ -63,22 +80,49 @@ def grouped_experts(
         if count == 0:
             continue
         end = start + count
-        gate_up = F.linear(xs[start:end], gate_up_proj[expert])  # (count, 2I)
-        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        out[start:end] = F.linear(act, down_proj[expert])
+        gate, up = _matmul(gate_up_proj[expert], xs[start:end]).chunk(2, dim=-1)  # (count, I)
+        out[start:end] = _matmul(down_proj[expert], F.silu(gate) * up)
         start = end
     out *= topk_weights.flatten()[order, None]
     return torch.zeros_like(x).index_add_(0, tokens, out)
 
 
 class Experts(nn.Module):
-    """The stacked expert weights of one layer, left uninitialized until weights are loaded."""
+    """The stacked expert weights of one layer, left uninitialized until weights are loaded;
+    after ``to_kernels`` each expert's matrices are kernels instead (``kernels_gate_up`` and
+    ``kernels_down``) and the stacked float weights are gone."""
 
     def __init__(self, moe: MoEConfig, hidden_size: int) -> None:
         super().__init__()
         e, i = moe.num_experts, moe.intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden_size), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(e, hidden_size, i), requires_grad=False)
+        self.kernels_gate_up: nn.ModuleList | None = None
+        self.kernels_down: nn.ModuleList | None = None
+
+    def matrices(self) -> tuple[Sequence[ExpertMatrix], Sequence[ExpertMatrix]]:
+        if self.kernels_gate_up is None:
+            return self.gate_up_proj, self.down_proj
+        return self.kernels_gate_up, self.kernels_down
+
+    def to_kernels(self, method: str | None) -> str | None:
+        """One kernel per expert matrix, quantized by ``method`` where the width allows (see
+        ``linear.finalize_linears``); returns the scheme used, if any."""
+        dtype = self.gate_up_proj.dtype
+        stacks = (self.gate_up_proj, self.down_proj)
+        if method is not None and any(w.shape[2] % GROUP_SIZE for w in stacks):
+            logger.warning("MoE experts: widths not multiples of %d; left unquantized", GROUP_SIZE)
+            method = None
+        kernels = [
+            nn.ModuleList(
+                make_kernel(w[e] if method is None else quantize(w[e], method), dtype)
+                for e in range(w.shape[0])
+            )
+            for w in stacks
+        ]
+        self.kernels_gate_up, self.kernels_down = kernels
+        self.gate_up_proj = self.down_proj = None
+        return method
 
 
 class TopKRouter(nn.Module):
@@ -107,9 +151,18 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(moe, hidden_size)
         self.use_triton = use_triton
 
+    def finalize(self, method: str | None) -> str | None:
+        """After loading: the experts' kernels (the torch path), quantized by ``method``; the
+        Triton path keeps the stacked float weights. Returns the experts' scheme, if any."""
+        if self.use_triton:
+            if method is not None:
+                logger.warning("MoE experts stay unquantized on the Triton backend (fused_moe)")
+            return None
+        return self.experts.to_kernels(method)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
         topk_weights, topk_ids = self.gate(x)  # (T, top_k) each
-        w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
+        w13, w2 = self.experts.matrices()
         if self.use_triton:
             from prefixserve.kernels.fused_moe import fused_moe
 

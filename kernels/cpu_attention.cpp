@@ -1,0 +1,123 @@
+// Paged decode attention on CPU: each sequence has one query token; its K/V is written into the
+// paged cache, then it attends to its whole context there.
+//
+//     q            [B, nh, hd]  float32        one query token per sequence
+//     k, v         [B, nkv, hd]                the tokens' new K/V
+//     kv_cache     [2, NB, bs, nkv, hd]        one layer's cache (0: K, 1: V), written in place
+//     slot_mapping [B] int64                   where each new K/V goes (-1: nowhere)
+//     block_tables [B, W] int32, seq_lens [B] int32 (context length, the new token included)
+//
+// Sequence b's position p lives in block block_tables[b][p / bs], row p % bs. Per (sequence,
+// KV head) the kernel scores the head's query heads against every position (one pass over K),
+// takes a softmax per query head (max, then exp and sum, positions ascending) and sums the
+// weighted V rows (one pass over V, positions ascending).
+//
+// Invariant (batch invariance): a sequence's output depends on its own query, context and K/V
+// alone, through the same operation sequence whatever the batch holds or where it sits in it.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x8u __attribute__((vector_size(32), aligned(4)));
+
+// sum_d a[d] * b[d]: eight running sums over d ascending (the last hd % 8 terms in the first ones),
+// then added pairwise (0+4, 1+5, ... then 0+2, 1+3, then 0+1): a fixed order for every call.
+inline float dot(const float* a, const float* b, int64_t n) {
+  f32x8 acc = {};
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8)
+    acc += *reinterpret_cast<const f32x8u*>(a + d) * *reinterpret_cast<const f32x8u*>(b + d);
+  for (int64_t j = 0; d < n; ++d, ++j) acc[j] += a[d] * b[d];
+  float r[4] = {acc[0] + acc[4], acc[1] + acc[5], acc[2] + acc[6], acc[3] + acc[7]};
+  return (r[0] + r[2]) + (r[1] + r[3]);
+}
+
+void check(const at::Tensor& t, at::ScalarType type, int64_t dim, const char* what) {
+  TORCH_CHECK(t.scalar_type() == type && t.dim() == dim && t.is_contiguous(), what);
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            double scale) {
+  check(q, at::kFloat, 3, "q must be contiguous float32 [B, heads, head_dim]");
+  check(k, at::kFloat, 3, "k must be contiguous float32 [B, kv_heads, head_dim]");
+  check(v, at::kFloat, 3, "v must be contiguous float32 [B, kv_heads, head_dim]");
+  check(kv_cache, at::kFloat, 5, "kv_cache must be contiguous float32 [2, blocks, bs, kv_heads, hd]");
+  check(slot_mapping, at::kLong, 1, "slot_mapping must be int64 [B]");
+  check(block_tables, at::kInt, 2, "block_tables must be int32 [B, W]");
+  check(seq_lens, at::kInt, 1, "seq_lens must be int32 [B]");
+  const int64_t B = q.size(0), nh = q.size(1), hd = q.size(2), nkv = k.size(1);
+  const int64_t nb = kv_cache.size(1), bs = kv_cache.size(2), W = block_tables.size(1);
+  TORCH_CHECK(nh % nkv == 0 && kv_cache.size(3) == nkv && kv_cache.size(4) == hd &&
+                  k.size(0) == B && v.sizes() == k.sizes() && slot_mapping.size(0) == B &&
+                  block_tables.size(0) == B && seq_lens.size(0) == B,
+              "decode_attention: inconsistent shapes");
+  const int64_t group = nh / nkv, row = nkv * hd;  // floats per cached token
+  float* kc = kv_cache.data_ptr<float>();
+  float* vc = kc + nb * bs * row;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {  // the new K/V first: every query reads its own token
+    if (slots[b] < 0) continue;
+    TORCH_CHECK(slots[b] < nb * bs, "slot_mapping out of the cache");
+    std::copy_n(k.data_ptr<float>() + b * row, row, kc + slots[b] * row);
+    std::copy_n(v.data_ptr<float>() + b * row, row, vc + slots[b] * row);
+  }
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= W * bs, "seq_lens out of the block table");
+  auto out = at::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float s = static_cast<float>(scale);
+  at::parallel_for(0, B * nkv, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> scores;
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t b = w / nkv, h = w % nkv, len = lens[b];
+      const int32_t* table = tables + b * W;
+      const float* qh = qp + (b * nh + h * group) * hd;  // the group's query heads, [group, hd]
+      scores.assign(group * len, 0.f);
+      for (int64_t p = 0; p < len; ++p) {
+        const float* key = kc + ((int64_t)table[p / bs] * bs + p % bs) * row + h * hd;
+        for (int64_t g = 0; g < group; ++g) scores[g * len + p] = dot(qh + g * hd, key, hd) * s;
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * len;
+        const float mx = *std::max_element(sg, sg + len);
+        float sum = 0.f;
+        for (int64_t p = 0; p < len; ++p) sum += (sg[p] = std::exp(sg[p] - mx));
+        const float inv = 1.f / sum;
+        for (int64_t p = 0; p < len; ++p) sg[p] *= inv;
+      }
+      float* oh = op + (b * nh + h * group) * hd;
+      std::fill(oh, oh + group * hd, 0.f);
+      for (int64_t p = 0; p < len; ++p) {
+        const float* value = vc + ((int64_t)table[p / bs] * bs + p % bs) * row + h * hd;
+        for (int64_t g = 0; g < group; ++g) {
+          const float weight = scores[g * len + p];
+          for (int64_t d = 0; d < hd; ++d) oh[g * hd + d] += weight * value[d];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(prefixserve_cpu, m) {
+  m.def(
+      "decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(prefixserve_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -1,0 +1,71 @@
+"""The CPU kernels written in C++ here (``cpu_linear.cpp``: linear layers; ``cpu_attention.cpp``:
+paged decode attention), registered as torch ops ``torch.ops.prefixserve_cpu.*``.
+
+``available()`` builds them on first use with the machine's own compiler
+(``torch.utils.cpp_extension``: ``-O3 -march=native -ffp-contract=off``, OpenMP through the
+libgomp torch already loaded), caches the build on disk (``TORCH_EXTENSIONS_DIR``, by default
+``~/.cache/torch_extensions``; a second process waits on the first's lock, then loads) and
+registers the ops' output shapes for ``torch.compile``. It returns False, logged once, where the
+build fails (no compiler, no ninja, another architecture's compiler): callers then keep torch's
+own kernels. ``-ffp-contract=off``: every fused multiply-add is written out in the sources, so
+each output's operation sequence is the one written (the kernels' batch invariance rests on it).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_HERE = Path(__file__).resolve().parent
+_SOURCES = [_HERE / "cpu_linear.cpp", _HERE / "cpu_attention.cpp"]
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the ``prefixserve_cpu`` ops can run here (built and loaded in this process)."""
+    from torch.utils import cpp_extension
+
+    start = time.perf_counter()
+    try:
+        cpp_extension.load(
+            name="prefixserve_cpu",
+            sources=[str(s) for s in _SOURCES],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:  # any build failure: torch's kernels serve instead
+        logger.warning("CPU kernels unavailable (%s); using torch's", e)
+        return False
+    _register_fakes()
+    logger.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
+    return True
+
+
+def _register_fakes() -> None:
+    """Output shapes for ``torch.compile`` (the ops are opaque calls in a compiled graph)."""
+    lib = "prefixserve_cpu::"
+
+    @torch.library.register_fake(lib + "linear_f32")
+    def _(x, w, bias, n):
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake(lib + "linear_int8")
+    def _(x, w, scales, group, bias, n):
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake(lib + "linear_int4")
+    def _(x, w, scales, shifts, group, bias, n):
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake(lib + "decode_attention")
+    def _(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale):
+        return torch.empty_like(q)

@@ -1,0 +1,312 @@
+"""``Linear``: every weight matrix of the model, and the kernels that hold and multiply it.
+
+A ``Linear`` computes ``y = x W^T + b``; ``rows(ids)`` reads rows of ``W``, which is how the
+vocabulary matrix (``embed_tokens``) serves as the embedding table and, when tied, as the lm_head.
+It is created with an uninitialized float ``weight`` that the model's ``load_weights`` fills;
+``finalize_linears`` then gives every one its kernel for the device and scheme and drops the
+float weight wherever the kernel keeps its own form, so memory holds each matrix once:
+
+    device          weights                 kernel          holds
+    cpu (float32)   float                   PackedFloat     [N/16, K, 16] float32
+    cpu (float32)   int8 / int4             PackedInt8/4    codes, float16 group scales (shifts)
+    cuda            float                   Dense           the weight (F.linear)
+    cuda            int4                    TritonInt4      codes [N, K/2], scales, shifts
+    elsewhere       int8 / int4             Portable        the codes, dequantized at each call
+
+The CPU kernels are ``prefixserve.kernels.cpu_linear`` (built by ``cpu_ops``; one family for every row count: a row's
+result is bit-identical alone or in any batch); where they cannot be built, CPU weights take the
+Dense and Portable kernels. Before ``finalize_linears`` a ``Linear`` multiplies by its float
+weight (models built by hand in tests).
+
+Which matrices are quantized (``quantization`` int8 / int4): the decoder layers' linears in the
+scheme, and the vocabulary matrix (embedding and lm_head) in int8 under either scheme, as
+llama.cpp keeps GGUF's token embedding in Q8_0 beside Q4 layers; a GGUF file's own quantized
+tensors (``prequantized``) are kept as they are. Matrices whose ``in_features`` is not a multiple
+of the group stay in float (logged).
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefixserve.kernels import cpu_linear, cpu_ops
+from prefixserve.models.quantization import (
+    GROUP_SIZE,
+    QUANTIZATION_METHODS,
+    Int4Weight,
+    Int8Weight,
+    QuantizedWeight,
+    concat_rows,
+    quantize,
+    scheme_of,
+)
+
+logger = logging.getLogger(__name__)
+
+VOCAB_SCHEME = "int8"  # the vocabulary matrix's scheme whenever the layers are quantized
+
+
+class LinearKernel(nn.Module, ABC):
+    """How one ``[N, K]`` weight is held and multiplied. ``forward(x, bias)`` is ``x W^T + b``
+    over the last dim of ``x``; ``rows(index)`` is ``W[index]`` in ``dtype``. Every tensor it
+    holds is a buffer (``.to()`` moves it; memory counts it)."""
+
+    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features, self.dtype = out_features, in_features, dtype
+
+    @abstractmethod
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+    @abstractmethod
+    def rows(self, index: torch.Tensor) -> torch.Tensor: ...
+
+    def _flat(self, x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``fn`` over ``x`` as a contiguous ``[M, K]`` matrix, reshaped back."""
+        lead = x.shape[:-1]
+        return fn(x.reshape(-1, self.in_features).contiguous()).view(*lead, self.out_features)
+
+
+def _nibbles(pairs: torch.Tensor) -> torch.Tensor:
+    """``[..., K / 2]`` bytes (k even low nibble, k odd high) -> ``[..., K]`` codes."""
+    return torch.stack([pairs & 15, pairs >> 4], dim=-1).flatten(-2)
+
+
+class Dense(LinearKernel):
+    """The float weight as it is: ``F.linear``."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(*weight.shape, weight.dtype)
+        self.register_buffer("weight", weight.detach())
+
+    def forward(self, x, bias):
+        return F.linear(x, self.weight, bias)
+
+    def rows(self, index):
+        return F.embedding(index, self.weight)
+
+
+class PackedFloat(LinearKernel):
+    """A float32 weight in ``cpu_linear``'s block layout."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(*weight.shape, torch.float32)
+        self.register_buffer("packed", cpu_linear.pack_f32(weight.detach()))
+
+    def forward(self, x, bias):
+        n = self.out_features
+        return self._flat(x, lambda x2: cpu_linear.linear_f32(x2, self.packed, bias, n))
+
+    def rows(self, index):
+        return cpu_linear.block_rows(self.packed, index)
+
+
+class PackedInt8(LinearKernel):
+    """An ``Int8Weight`` in ``cpu_linear``'s block layout."""
+
+    def __init__(self, weight: Int8Weight) -> None:
+        super().__init__(*weight.shape, torch.float32)
+        self.group_size = weight.group_size
+        codes, scales = cpu_linear.pack_int8(weight.qweight, weight.scales)
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+
+    def forward(self, x, bias):
+        n, g = self.out_features, self.group_size
+        return self._flat(
+            x, lambda x2: cpu_linear.linear_int8(x2, self.codes, self.scales, g, bias, n)
+        )
+
+    def rows(self, index):
+        codes = cpu_linear.block_rows(self.codes, index).float()  # (T, K)
+        scales = cpu_linear.block_rows(self.scales, index).float()  # (T, K / g)
+        return (codes.unflatten(-1, (-1, self.group_size)) * scales[..., None]).flatten(-2)
+
+
+class PackedInt4(LinearKernel):
+    """An ``Int4Weight`` in ``cpu_linear``'s block layout."""
+
+    def __init__(self, weight: Int4Weight) -> None:
+        super().__init__(*weight.shape, torch.float32)
+        self.group_size = weight.group_size
+        codes, scales, shifts = cpu_linear.pack_int4(weight.qvalues, weight.scales, weight.shifts)
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+        self.register_buffer("shifts", shifts)
+
+    def forward(self, x, bias):
+        n, g = self.out_features, self.group_size
+        return self._flat(
+            x,
+            lambda x2: cpu_linear.linear_int4(x2, self.codes, self.scales, self.shifts, g, bias, n),
+        )
+
+    def rows(self, index):
+        codes = _nibbles(cpu_linear.block_rows(self.codes, index)).float()  # (T, K)
+        scales = cpu_linear.block_rows(self.scales, index).float()[..., None]
+        shifts = cpu_linear.block_rows(self.shifts, index).float()[..., None]
+        return (codes.unflatten(-1, (-1, self.group_size)) * scales + shifts).flatten(-2)
+
+
+class Portable(LinearKernel):
+    """A quantized weight held as its codes and parameters and dequantized, in the model dtype,
+    at every call: correct anywhere, fast nowhere."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__(*weight.shape, dtype)
+        self.group_size = weight.group_size
+        self.int4 = isinstance(weight, Int4Weight)
+        self.register_buffer("codes", weight.qvalues if self.int4 else weight.qweight)
+        self.register_buffer("scales", weight.scales)
+        self.register_buffer("shifts", weight.shifts if self.int4 else None)
+
+    def quantized(self) -> QuantizedWeight:
+        if self.int4:
+            return Int4Weight(self.codes, self.scales, self.shifts, self.group_size)
+        return Int8Weight(self.codes, self.scales, self.group_size)
+
+    def forward(self, x, bias):
+        return F.linear(x, self.quantized().dequantize().to(x.dtype), bias)
+
+    def rows(self, index):
+        rows = self.quantized().index_rows(index.flatten()).dequantize()
+        return rows.view(*index.shape, -1).to(self.dtype)
+
+
+class TritonInt4(LinearKernel):
+    """An ``Int4Weight`` on CUDA: ``kernels/int4_matmul.py`` dequantizes tile by tile."""
+
+    def __init__(self, weight: Int4Weight, dtype: torch.dtype) -> None:
+        super().__init__(*weight.shape, dtype)
+        self.group_size = weight.group_size
+        q = weight.qvalues
+        self.register_buffer("codes", (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous())
+        self.register_buffer("scales", weight.scales.to(dtype))
+        self.register_buffer("shifts", weight.shifts.to(dtype))
+
+    def forward(self, x, bias):
+        from prefixserve.kernels.int4_matmul import int4_matmul
+
+        y = self._flat(
+            x,
+            lambda x2: int4_matmul(x2, self.codes, self.scales, self.shifts, self.group_size),
+        )
+        return y if bias is None else y + bias
+
+    def rows(self, index):
+        codes = _nibbles(self.codes[index]).to(self.dtype)
+        g = self.group_size
+        w = codes.unflatten(-1, (-1, g)) * self.scales[index][..., None]
+        return (w + self.shifts[index][..., None]).flatten(-2)
+
+
+class Linear(nn.Module):
+    """``y = x W^T + b`` (see the module docstring); parameters uninitialized until loaded."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight: nn.Parameter | None = nn.Parameter(
+            torch.empty(out_features, in_features), requires_grad=False
+        )
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.kernel: LinearKernel | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is None:
+            return F.linear(x, self.weight, self.bias)
+        return self.kernel(x, self.bias)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """``W[index]``: ``[*index.shape, in_features]`` (the embedding lookup)."""
+        if self.kernel is None:
+            return F.embedding(index, self.weight)
+        return self.kernel.rows(index)
+
+    def set_kernel(self, kernel: LinearKernel) -> None:
+        """Use ``kernel`` from now on; the float weight is dropped (a ``Dense`` kernel holds it)."""
+        self.kernel = kernel
+        self.weight = None
+
+
+def cpu_kernels_apply(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether weights on ``device`` in ``dtype`` take ``cpu_linear``'s kernels."""
+    return device.type == "cpu" and dtype == torch.float32 and cpu_ops.available()
+
+
+def make_kernel(weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> LinearKernel:
+    """The kernel for ``weight`` (already on its device) in a model of ``dtype``."""
+    device = weight.device if isinstance(weight, torch.Tensor) else _device_of(weight)
+    cpu = cpu_kernels_apply(device, dtype)
+    if isinstance(weight, torch.Tensor):
+        return PackedFloat(weight) if cpu else Dense(weight)
+    if cpu:
+        return PackedInt8(weight) if isinstance(weight, Int8Weight) else PackedInt4(weight)
+    if device.type == "cuda" and isinstance(weight, Int4Weight):
+        return TritonInt4(weight, dtype)
+    return Portable(weight, dtype)
+
+
+def _device_of(weight: QuantizedWeight) -> torch.device:
+    return weight.scales.device
+
+
+def finalize_linears(
+    model: nn.Module,
+    method: str | None,
+    prequantized: Mapping[str, QuantizedWeight] | None = None,
+    source_names: Callable[[str], list[str]] | None = None,
+) -> dict[str, str]:
+    """Give every ``Linear`` of ``model`` its kernel (see the module docstring); returns
+    {module name: scheme} of the quantized ones.
+
+    ``prequantized`` maps Hugging Face weight names to quantized weights (a GGUF file's); a
+    module whose parts (``source_names(module name)``) are all there, in one scheme, uses them
+    stacked unless ``method`` asks for another scheme. Other decoder-layer linears are quantized
+    by ``method``, the vocabulary matrix by ``VOCAB_SCHEME`` when ``method`` is set.
+    """
+    if method is not None and method not in QUANTIZATION_METHODS:
+        quantize(torch.empty(0, 0), method)  # raises the one error message for a bad method
+    prequantized = prequantized or {}
+    source_names = source_names or (lambda name: [f"{name}.weight"])
+    done: dict[str, str] = {}
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, Linear) or module.kernel is not None:
+            continue
+        weight, scheme = module.weight, _scheme_for(name, method)
+        given = concat_rows([prequantized.get(n) for n in source_names(name)])
+        if given is not None and scheme in (None, scheme_of(given)):
+            chosen = given
+        else:
+            chosen = _quantized(name, weight, scheme)
+        if chosen is not None:
+            done[name] = scheme_of(chosen)
+            chosen = chosen.to(weight.device)
+        module.set_kernel(make_kernel(chosen if chosen is not None else weight, weight.dtype))
+    return done
+
+
+def _scheme_for(name: str, method: str | None) -> str | None:
+    if method is None:
+        return None
+    if ".layers." in f".{name}.":
+        return method
+    return VOCAB_SCHEME  # embed_tokens, lm_head
+
+
+def _quantized(name: str, weight: torch.Tensor, scheme: str | None) -> QuantizedWeight | None:
+    if scheme is None:
+        return None
+    if weight.shape[1] % GROUP_SIZE:
+        logger.warning(
+            "%s: in_features %d is not a multiple of %d; left unquantized",
+            name, weight.shape[1], GROUP_SIZE,
+        )  # fmt: skip
+        return None
+    return quantize(weight.detach(), scheme)

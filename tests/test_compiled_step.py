@@ -1,0 +1,119 @@
+"""Compiled CPU decode steps (``prefixserve.compiled_step``) against eager steps on the same
+checkpoint: greedy tokens equal and logprobs within ``LOGPROB_ATOL`` under prefix caching,
+chunked prefill, preemption, forks, grammars and speculation; the graphs compile at start-up and
+never again; a failed capture leaves a working eager engine."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from checkpoints import make_checkpoint
+from torch._dynamo.utils import counters
+
+from prefixserve import LLM, SamplingParams, StructuredOutputsParams
+from prefixserve.compiled_step import CompiledStepRunner
+from prefixserve.kernels import cpu_ops
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ toolchain")
+
+LOGPROB_ATOL = 1e-4
+# tight on purpose: prompts are prefilled in chunks and sequences are preempted
+ENGINE = {"block_size": 8, "num_kv_blocks": 24, "max_num_batched_tokens": 24, "max_num_seqs": 8}
+
+
+def _pair(folder, **kw) -> tuple[LLM, LLM]:
+    compiled = LLM(str(folder), enforce_eager=False, **ENGINE, **kw)
+    assert isinstance(compiled.llm_engine.runner.decode_replay, CompiledStepRunner)
+    eager = LLM(str(folder), enforce_eager=True, **ENGINE, **kw)
+    assert eager.llm_engine.runner.decode_replay is None
+    return compiled, eager
+
+
+def _prompts() -> list[list[int]]:
+    system = list(range(100, 130))  # a shared prefix: later prompts hit it in the cache
+    return [system + [5 + i, 17, 99 - i] * (1 + i % 3) for i in range(6)]
+
+
+def _assert_same(compiled: LLM, eager: LLM, prompts, params) -> None:
+    outs = [llm.generate(prompts, params, use_tqdm=False) for llm in (compiled, eager)]
+    for c, e in zip(*outs):
+        for a, b in zip(c.outputs, e.outputs):
+            assert a.token_ids == b.token_ids
+            if params.logprobs is not None:
+                worst = max(
+                    abs(x[t] - y[t]) for t, x, y in zip(a.token_ids, a.logprobs, b.logprobs)
+                )
+                assert worst < LOGPROB_ATOL, worst
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen3_moe"])
+def engines(request, tmp_path_factory):
+    folder = make_checkpoint(request.param, tmp_path_factory.mktemp(request.param), seed=3)
+    return _pair(folder)
+
+
+def test_greedy_with_caching_chunking_and_preemption_equals_eager(engines):
+    compiled, eager = engines
+    params = SamplingParams(max_tokens=32, temperature=0.0, logprobs=2, ignore_eos=True)
+    before = compiled.llm_engine.runner.decode_replay.replayed_steps
+    _assert_same(compiled, eager, _prompts(), params)
+    stats = compiled.llm_engine.stats()
+    assert stats.decode_replay["replayed_steps"] > before
+    assert stats.num_preemptions > 0 and stats.kv_cache["prefix_cache_hits"] > 0
+
+
+def test_forked_samples_and_grammars_equal_eager(engines):
+    compiled, eager = engines
+    forks = SamplingParams(n=3, max_tokens=12, temperature=0.8, seed=7, ignore_eos=True)
+    _assert_same(compiled, eager, _prompts()[:3], forks)
+    choice = StructuredOutputsParams(choice=["alpha beta", "gamma", "delta epsilon zeta"])
+    grammar = SamplingParams(max_tokens=16, temperature=0.0, structured_outputs=choice)
+    _assert_same(compiled, eager, _prompts()[:4], grammar)
+
+
+def test_speculative_decoding_equals_eager(tmp_path):
+    folder = make_checkpoint("llama", tmp_path / "llama", seed=4)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    compiled, eager = _pair(folder, speculative_config=spec)
+    repeat = [[7, 8, 9, 10] * 6, [3, 4, 5] * 8]  # n-grams the proposer finds
+    params = SamplingParams(max_tokens=20, temperature=0.0, logprobs=1, ignore_eos=True)
+    _assert_same(compiled, eager, repeat, params)
+
+
+def test_graphs_compile_at_start_up_and_never_again(tmp_path):
+    folder = make_checkpoint("qwen3", tmp_path / "qwen3", seed=5)
+    llm = LLM(str(folder), enforce_eager=False, **ENGINE)
+    replay = llm.llm_engine.runner.decode_replay
+    assert set(replay.capture_seconds) == {"1", f"2-{ENGINE['max_num_seqs']}"}
+    compiled_graphs = counters["stats"]["unique_graphs"]
+    for batch in (1, 2, 5, 8, 3):  # every batch size, contexts of every length, mixed steps
+        prompts = [[11 + i] * (3 + 9 * i) for i in range(batch)]
+        params = SamplingParams(max_tokens=6 + batch, temperature=0.0, ignore_eos=True)
+        llm.generate(prompts, params, use_tqdm=False)
+    assert replay.replayed_steps > 0
+    assert counters["stats"]["unique_graphs"] == compiled_graphs  # nothing recompiled
+
+
+def test_a_failed_capture_leaves_an_eager_engine(tmp_path, monkeypatch, caplog):
+    folder = make_checkpoint("llama", tmp_path / "llama", seed=6)
+
+    def broken(self, kv_caches):
+        raise RuntimeError("no compiler today")
+
+    monkeypatch.setattr(CompiledStepRunner, "capture", broken)
+    with caplog.at_level(logging.WARNING, logger="prefixserve.model_runner"):
+        llm = LLM(str(folder), enforce_eager=False, **ENGINE)
+    assert llm.llm_engine.runner.decode_replay is None
+    assert [r.message for r in caplog.records if "eagerly" in r.message]
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert llm.llm_engine.stats().decode_replay is None
+
+
+def test_other_dtypes_are_not_compiled(tmp_path):
+    folder = make_checkpoint("llama", tmp_path / "llama", seed=8)
+    llm = LLM(str(folder), enforce_eager=False, dtype="bfloat16", num_kv_blocks=16)
+    assert llm.llm_engine.runner.decode_replay is None
+    assert torch.bfloat16 == llm.llm_engine.runner.dtype

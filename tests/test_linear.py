@@ -1,0 +1,128 @@
+"""``prefixserve.models.linear``: which kernel each matrix gets, that every kernel multiplies and
+reads rows as its weight says, that float weights are dropped once a kernel holds the matrix,
+and which matrices ``finalize_linears`` quantizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prefixserve.errors import InvalidArgumentError
+from prefixserve.kernels import cpu_ops
+from prefixserve.models.linear import (
+    Dense,
+    Linear,
+    PackedFloat,
+    PackedInt4,
+    PackedInt8,
+    Portable,
+    finalize_linears,
+    make_kernel,
+)
+from prefixserve.models.quantization import concat_rows, quantize, quantize_int4
+
+needs_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ toolchain")
+
+
+def _w(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+
+
+@needs_kernels
+@pytest.mark.parametrize("scheme", [None, "int8", "int4"])
+def test_cpu_float32_weights_take_the_packed_kernels(scheme):
+    w = _w(48, 64)
+    kernel = make_kernel(w if scheme is None else quantize(w, scheme), torch.float32)
+    assert type(kernel) is {None: PackedFloat, "int8": PackedInt8, "int4": PackedInt4}[scheme]
+
+
+@pytest.mark.parametrize("scheme", [None, "int8", "int4"])
+def test_other_dtypes_take_torch_kernels(scheme):
+    w = _w(48, 64).bfloat16()
+    held = w if scheme is None else quantize(w.float(), scheme)
+    assert type(make_kernel(held, torch.bfloat16)) is (Dense if scheme is None else Portable)
+
+
+def _kernels(w: torch.Tensor, scheme: str | None):
+    held = w if scheme is None else quantize(w, scheme)
+    reference = w if scheme is None else held.dequantize()
+    kernels = [make_kernel(held, torch.float32)]
+    kernels.append(Dense(w) if scheme is None else Portable(held, torch.float32))
+    return kernels, reference
+
+
+@pytest.mark.parametrize("scheme", [None, "int8", "int4"])
+def test_every_kernel_multiplies_and_reads_rows_as_its_weight(scheme):
+    w, b = _w(40, 64, 1), torch.randn(40)
+    kernels, reference = _kernels(w, scheme)
+    x = torch.randn(2, 3, 64)  # leading dims are kept
+    index = torch.tensor([[0, 39], [17, 17]])
+    for kernel in kernels:
+        torch.testing.assert_close(kernel(x, b), F.linear(x, reference, b), atol=1e-4, rtol=1e-4)
+        assert torch.equal(kernel.rows(index), reference[index])
+
+
+def test_a_linear_drops_its_float_weight_for_a_kernel():
+    lin = Linear(64, 48, bias=True)
+    lin.weight.copy_(_w(48, 64))
+    lin.bias.copy_(torch.randn(48))
+    x = torch.randn(3, 64)
+    before = lin(x)
+    lin.set_kernel(make_kernel(lin.weight.detach().clone(), torch.float32))
+    assert lin.weight is None and "weight" not in dict(lin.named_parameters())
+    torch.testing.assert_close(lin(x), before, atol=1e-5, rtol=1e-5)
+
+
+class _Toy(torch.nn.Module):
+    """Two "layers" with a fused qkv-like linear and an odd-width one, and a vocabulary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+        def lin(k: int, n: int) -> Linear:
+            m = Linear(k, n, bias=False)
+            m.weight.data = _w(n, k, n + k)
+            return m
+
+        self.layers = torch.nn.ModuleList(
+            torch.nn.ModuleDict({"qkv_proj": lin(64, 48), "odd": lin(40, 16)}) for _ in range(2)
+        )
+        self.embed_tokens = lin(64, 100)
+
+    @staticmethod
+    def source_names(module: str) -> list[str]:
+        if module.endswith("qkv_proj"):
+            prefix = module.rsplit(".", 1)[0]
+            return [f"{prefix}.{p}.weight" for p in ("q_proj", "k_proj", "v_proj")]
+        return [f"{module}.weight"]
+
+
+def test_finalize_quantizes_layers_in_the_scheme_and_the_vocabulary_in_int8():
+    toy = _Toy()
+    done = finalize_linears(toy, "int4", None, toy.source_names)
+    assert done == {"layers.0.qkv_proj": "int4", "layers.1.qkv_proj": "int4",
+                    "embed_tokens": "int8"}  # fmt: skip
+    assert toy.layers[0]["odd"].kernel is not None  # 40 inputs: not whole groups, still float
+    assert not any(isinstance(m, Linear) and m.weight is not None for m in toy.modules())
+    assert finalize_linears(_Toy(), None) == {}  # float: every matrix packed, none quantized
+
+
+def test_finalize_keeps_prequantized_parts_unless_another_scheme_is_asked():
+    toy = _Toy()
+    parts = [quantize_int4(_w(16, 64, s)) for s in range(3)]
+    pre = {f"layers.0.{p}.weight": q for p, q in zip(("q_proj", "k_proj", "v_proj"), parts)}
+    pre["layers.1.q_proj.weight"] = parts[0]  # k, v missing: layer 1 is not prequantized
+    done = finalize_linears(toy, None, pre, toy.source_names)
+    assert done == {"layers.0.qkv_proj": "int4"}
+    x = torch.randn(2, 64)
+    ref = x @ concat_rows(parts).dequantize().t()
+    torch.testing.assert_close(toy.layers[0]["qkv_proj"](x), ref, atol=1e-4, rtol=1e-4)
+    assert finalize_linears(_Toy(), "int4", pre, _Toy.source_names)["layers.0.qkv_proj"] == "int4"
+    done = finalize_linears(_Toy(), "int8", pre, _Toy.source_names)  # re-quantized from float
+    assert done["layers.0.qkv_proj"] == "int8" and done["layers.1.qkv_proj"] == "int8"
+
+
+def test_finalize_refuses_an_unknown_method():
+    with pytest.raises(InvalidArgumentError, match="quantization"):
+        finalize_linears(_Toy(), "int3")
