@@ -1,19 +1,24 @@
-// Paged decode attention on CPU: each sequence has one query token; its K/V is written into the
-// paged cache, then it attends to its whole context there.
+// Paged attention on CPU, one query token at a time: the step's new K/V is written into the paged
+// cache, then every query token attends to its context there, positions 0 .. len - 1 of its
+// sequence (its own position last: causal by construction).
 //
-//     q            [B, nh, hd]  float32        one query token per sequence
-//     k, v         [B, nkv, hd]                the tokens' new K/V
+//     q            [T, nh, hd]  float32        the step's query tokens
+//     k, v         [T, nkv, hd]                their new K/V
 //     kv_cache     [2, NB, bs, nkv, hd]        one layer's cache (0: K, 1: V), written in place
-//     slot_mapping [B] int64                   where each new K/V goes (-1: nowhere)
-//     block_tables [B, W] int32, seq_lens [B] int32 (context length, the new token included)
+//     slot_mapping [T] int64                   where each new K/V goes (-1: nowhere)
+//     block_tables [S, W] int32                the step's sequences' block tables
+//     token_seq    [T] int32, token_len [T] int32   each token's sequence (a row of block_tables)
+//                                              and context length (its position + 1)
 //
-// Sequence b's position p lives in block block_tables[b][p / bs], row p % bs. Per (sequence,
-// KV head) the kernel scores the head's query heads against every position (one pass over K),
-// takes a softmax per query head (max, then exp and sum, positions ascending) and sums the
-// weighted V rows (one pass over V, positions ascending).
+// A decode step is T = S tokens, token t of sequence t, len = seq_lens[t]. Sequence s's position
+// p lives in block block_tables[s][p / bs], row p % bs. Per (token, KV head) the kernel scores
+// the head's query heads against every position (one pass over K), takes a softmax per query
+// head (max, then exp and sum, positions ascending) and sums the weighted V rows (one pass over
+// V, positions ascending).
 //
-// Invariant (batch invariance): a sequence's output depends on its own query, context and K/V
-// alone, through the same operation sequence whatever the batch holds or where it sits in it.
+// Invariant (batch invariance): a token's output depends on its query, its context length and
+// the K/V there alone, through the same operation sequence whatever else the step holds, how
+// its sequence's prompt was chunked, or where the token sits in the step.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -44,23 +49,25 @@ void check(const at::Tensor& t, at::ScalarType type, int64_t dim, const char* wh
   TORCH_CHECK(t.scalar_type() == type && t.dim() == dim && t.is_contiguous(), what);
 }
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            at::Tensor& kv_cache, const at::Tensor& slot_mapping,
-                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                            double scale) {
-  check(q, at::kFloat, 3, "q must be contiguous float32 [B, heads, head_dim]");
-  check(k, at::kFloat, 3, "k must be contiguous float32 [B, kv_heads, head_dim]");
-  check(v, at::kFloat, 3, "v must be contiguous float32 [B, kv_heads, head_dim]");
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                           const at::Tensor& block_tables, const at::Tensor& token_seq,
+                           const at::Tensor& token_len, double scale) {
+  check(q, at::kFloat, 3, "q must be contiguous float32 [T, heads, head_dim]");
+  check(k, at::kFloat, 3, "k must be contiguous float32 [T, kv_heads, head_dim]");
+  check(v, at::kFloat, 3, "v must be contiguous float32 [T, kv_heads, head_dim]");
   check(kv_cache, at::kFloat, 5, "kv_cache must be contiguous float32 [2, blocks, bs, kv_heads, hd]");
-  check(slot_mapping, at::kLong, 1, "slot_mapping must be int64 [B]");
-  check(block_tables, at::kInt, 2, "block_tables must be int32 [B, W]");
-  check(seq_lens, at::kInt, 1, "seq_lens must be int32 [B]");
+  check(slot_mapping, at::kLong, 1, "slot_mapping must be int64 [T]");
+  check(block_tables, at::kInt, 2, "block_tables must be int32 [S, W]");
+  check(token_seq, at::kInt, 1, "token_seq must be int32 [T]");
+  check(token_len, at::kInt, 1, "token_len must be int32 [T]");
   const int64_t B = q.size(0), nh = q.size(1), hd = q.size(2), nkv = k.size(1);
   const int64_t nb = kv_cache.size(1), bs = kv_cache.size(2), W = block_tables.size(1);
+  const int64_t S = block_tables.size(0);
   TORCH_CHECK(nh % nkv == 0 && kv_cache.size(3) == nkv && kv_cache.size(4) == hd &&
                   k.size(0) == B && v.sizes() == k.sizes() && slot_mapping.size(0) == B &&
-                  block_tables.size(0) == B && seq_lens.size(0) == B,
-              "decode_attention: inconsistent shapes");
+                  token_seq.size(0) == B && token_len.size(0) == B,
+              "paged_attention: inconsistent shapes");
   const int64_t group = nh / nkv, row = nkv * hd;  // floats per cached token
   float* kc = kv_cache.data_ptr<float>();
   float* vc = kc + nb * bs * row;
@@ -72,9 +79,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     std::copy_n(v.data_ptr<float>() + b * row, row, vc + slots[b] * row);
   }
   const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* seqs = token_seq.data_ptr<int32_t>();
+  const int32_t* lens = token_len.data_ptr<int32_t>();
   for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= W * bs, "seq_lens out of the block table");
+    TORCH_CHECK(seqs[b] >= 0 && seqs[b] < S && lens[b] >= 1 && lens[b] <= W * bs,
+                "token_seq / token_len out of the block tables");
   auto out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -83,7 +92,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     std::vector<float> scores;
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t b = w / nkv, h = w % nkv, len = lens[b];
-      const int32_t* table = tables + b * W;
+      const int32_t* table = tables + seqs[b] * W;
       const float* qh = qp + (b * nh + h * group) * hd;  // the group's query heads, [group, hd]
       scores.assign(group * len, 0.f);
       for (int64_t p = 0; p < len; ++p) {
@@ -116,8 +125,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 TORCH_LIBRARY_FRAGMENT(prefixserve_cpu, m) {
   m.def(
-      "decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
-      "Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+      "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor token_seq, Tensor token_len, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(prefixserve_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(prefixserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -1,5 +1,5 @@
 """The CPU kernels written in C++ here (``cpu_linear.cpp``: linear layers; ``cpu_attention.cpp``:
-paged decode attention), registered as torch ops ``torch.ops.prefixserve_cpu.*``.
+paged attention), registered as torch ops ``torch.ops.prefixserve_cpu.*``.
 
 ``available()`` builds them on first use with the machine's own compiler
 (``torch.utils.cpp_extension``: ``-O3 -march=native -ffp-contract=off``, OpenMP through the
@@ -66,6 +66,6 @@ def _register_fakes() -> None:
     def _(x, w, scales, shifts, group, bias, n):
         return x.new_empty(x.shape[0], n)
 
-    @torch.library.register_fake(lib + "decode_attention")
-    def _(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale):
+    @torch.library.register_fake(lib + "paged_attention")
+    def _(q, k, v, kv_cache, slot_mapping, block_tables, token_seq, token_len, scale):
         return torch.empty_like(q)

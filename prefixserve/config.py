@@ -38,7 +38,10 @@ class EngineConfig:
     start-up (``prefixserve.decode_replay``): CUDA graphs with the Triton backend on CUDA, a
     ``torch.compile``d step on CPU (float32), with Inductor's cache in ``compile_cache_dir``
     (default ``~/.cache/prefixserve/inductor``, unless ``TORCHINDUCTOR_CACHE_DIR`` is set).
-    Default off, or on where ``PREFIXSERVE_ENFORCE_EAGER=1``.
+    Default off, or on where ``PREFIXSERVE_ENFORCE_EAGER=1``. ``batch_invariant``: one
+    reduction order for every batch shape (CPU, float32, the torch backend): a request's tokens
+    and logprobs are bit-identical alone or in any batch, under any chunking of its prompt,
+    compiled or not.
     ``quantization`` (int8 / int4): weight-only quantization of the decoder's linear layers
     (``prefixserve.models.quantization``). ``gguf_dequantize``: load a GGUF file's quantized
     tensors as float instead of keeping them quantized (``prefixserve.models.gguf_loader``).
@@ -68,6 +71,7 @@ class EngineConfig:
     kv_events_replay_endpoint: str | None = None
     enforce_eager: bool = field(default_factory=_enforce_eager_default)
     compile_cache_dir: str | None = None
+    batch_invariant: bool = False
     quantization: str | None = None
     gguf_dequantize: bool = False
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
@@ -123,6 +127,11 @@ class EngineConfig:
             isinstance(self.enforce_eager, bool),
             "enforce_eager",
             f"must be True or False, got {self.enforce_eager!r}",
+        )
+        require(
+            isinstance(self.batch_invariant, bool),
+            "batch_invariant",
+            f"must be True or False, got {self.batch_invariant!r}",
         )
         require(
             self.quantization in _QUANTIZATIONS,

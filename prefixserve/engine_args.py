@@ -42,6 +42,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "PREFIXSERVE_ENFORCE_EAGER=1 in the environment, else off)",
     )
     p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a request's tokens and logprobs are bit-identical alone or in any batch (CPU, "
+        "float32): every step's attention token by token",
+    )
+    p.add_argument(
         "--compile-cache-dir",
         default=None,
         help="Inductor's cache of compiled CPU decode steps (default ~/.cache/prefixserve/inductor)",
@@ -93,6 +99,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         dtype=args.dtype,
         attention_backend=args.attention_backend,
         compile_cache_dir=args.compile_cache_dir,
+        batch_invariant=args.batch_invariant,
         quantization=args.quantization,
         gguf_dequantize=args.gguf_dequantize,
         seed=args.seed,

@@ -23,6 +23,7 @@ from prefixserve.attention.selector import get_attention_backend
 from prefixserve.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
 from prefixserve.decode_replay import create_decode_replay
 from prefixserve.errors import CacheCapacityError, InvalidArgumentError
+from prefixserve.models.linear import PACKED_KERNELS, LinearKernel
 from prefixserve.models.loader import load_model
 from prefixserve.scheduler_output import ScheduledSeq, SchedulerOutput
 
@@ -59,7 +60,9 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        self.attn_backend = get_attention_backend(config.attention_backend, self.device)
+        self.attn_backend = get_attention_backend(
+            config.attention_backend, self.device, config.batch_invariant
+        )
         self.model, self.model_config, self.model_name = load_model(
             config.model,
             dtype=config.dtype,
@@ -70,6 +73,8 @@ class ModelRunner:
             gguf_dequantize=config.gguf_dequantize,
         )
         self.dtype = self.model.model.norm.weight.dtype
+        if config.batch_invariant:
+            _check_batch_invariant(self.model)
         self.block_size = config.block_size
         # decode steps replay captures (None: off); their memory is left out of the KV budget
         self.decode_replay = create_decode_replay(config, self.model, self.attn_backend)
@@ -164,6 +169,19 @@ class ModelRunner:
         prompt_logits = [(s, self.model.compute_logits(hidden[first : first + n]))
                          for s, first, n in scored]  # fmt: skip
         return ModelRunnerOutput(samplers, logits, t1 - t0, time.perf_counter() - t1, prompt_logits)
+
+
+def _check_batch_invariant(model: torch.nn.Module) -> None:
+    """``batch_invariant`` holds where every matrix runs a ``cpu_linear`` kernel (one reduction
+    order for any row count); anything else (another dtype, no C++ toolchain) is refused."""
+    odd = sorted({type(m).__name__ for m in model.modules()
+                  if isinstance(m, LinearKernel) and not isinstance(m, PACKED_KERNELS)})  # fmt: skip
+    if odd:
+        raise InvalidArgumentError(
+            f"batch_invariant needs the CPU kernels for every matrix (float32 on CPU); "
+            f"this model has {', '.join(odd)} kernels",
+            param="batch_invariant",
+        )
 
 
 def _query_token_ids(sched: ScheduledSeq) -> list[int]:

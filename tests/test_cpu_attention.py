@@ -1,5 +1,6 @@
-"""The C++ paged decode attention (``kernels/cpu_attention.cpp``) against dense attention of each
-sequence over its context, the K/V it writes, and its batch invariance."""
+"""The C++ paged attention (``kernels/cpu_attention.cpp``) against dense attention of each query
+token over its context, the K/V it writes first, and its invariance to the batch and the
+chunking."""
 
 from __future__ import annotations
 
@@ -9,48 +10,54 @@ from attn_utils import BlockAllocator, build_attn_metadata
 
 from prefixserve.attention.torch_backend import TorchAttentionBackend
 from prefixserve.kernels import cpu_ops
-from prefixserve.kernels.cpu_attention import decode_attention
+from prefixserve.kernels.cpu_attention import paged_attention, token_contexts
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ toolchain")
 
 
-def _batch(lens: list[int], block_size: int, nh: int, nkv: int, hd: int, seed: int):
-    """Decodes of the given context lengths (the new token included) over a cache of noise."""
+def _batch(lens: list[int], block_size: int, nh: int, nkv: int, hd: int, seed: int, new=None):
+    """Sequences of the given context lengths (this step's tokens included: ``new[i]`` of them,
+    one each by default) over a cache of noise."""
+    new = new or [1] * len(lens)
     gen = torch.Generator().manual_seed(seed)
     alloc = BlockAllocator(128, seed=seed)
     tables = [alloc.grow([], n, block_size) for n in lens]
-    _, md = build_attn_metadata([(n - 1, 1) for n in lens], tables, block_size)
+    _, md = build_attn_metadata([(n - m, m) for n, m in zip(lens, new)], tables, block_size)
     cache = torch.randn(2, 128, block_size, nkv, hd, generator=gen)
-    q = torch.randn(len(lens), nh, hd, generator=gen)
-    k, v = (
-        torch.randn(len(lens), nkv, hd, generator=gen),
-        torch.randn(len(lens), nkv, hd, generator=gen),
-    )
+    t = sum(new)
+    q = torch.randn(t, nh, hd, generator=gen)
+    k, v = torch.randn(t, nkv, hd, generator=gen), torch.randn(t, nkv, hd, generator=gen)
     return q, k, v, cache, md, tables
 
 
-def _dense(q, cache, tables, lens, block_size):
-    """Each sequence's attention over its positions, read back through its block table."""
+def _run(q, k, v, cache, md):
+    seqs, lens = token_contexts(md)
+    return paged_attention(q, k, v, cache, md.slot_mapping, md.block_tables, seqs, lens, 0.125)
+
+
+def _dense(q, cache, tables, lens, block_size, new=None):
+    """Each query token's attention over its positions, read back through its block table."""
+    new = new or [1] * len(lens)
     nh, nkv = q.shape[1], cache.shape[3]
-    outs = []
-    for i, (table, n) in enumerate(zip(tables, lens)):
-        slots = torch.tensor(
-            [table[p // block_size] * block_size + p % block_size for p in range(n)]
-        )
-        k = cache[0].flatten(0, 1)[slots].repeat_interleave(nh // nkv, dim=1)  # (n, nh, hd)
-        v = cache[1].flatten(0, 1)[slots].repeat_interleave(nh // nkv, dim=1)
-        w = torch.softmax(torch.einsum("hd,nhd->hn", q[i].double(), k.double()) * 0.125, -1)
-        outs.append(torch.einsum("hn,nhd->hd", w, v.double()).float())
+    outs, t = [], 0
+    for table, n, m in zip(tables, lens, new):
+        for pos in range(n - m, n):
+            slots = [table[p // block_size] * block_size + p % block_size for p in range(pos + 1)]
+            k = cache[0].flatten(0, 1)[slots].repeat_interleave(nh // nkv, dim=1)  # (ctx, nh, hd)
+            v = cache[1].flatten(0, 1)[slots].repeat_interleave(nh // nkv, dim=1)
+            w = torch.softmax(torch.einsum("hd,nhd->hn", q[t].double(), k.double()) * 0.125, -1)
+            outs.append(torch.einsum("hn,nhd->hd", w, v.double()).float())
+            t += 1
     return torch.stack(outs)
 
 
 @pytest.mark.parametrize(
     ("block_size", "nh", "nkv", "hd"), [(16, 9, 3, 64), (8, 4, 4, 32), (16, 8, 2, 20)]
 )
-def test_decode_attention_equals_dense_attention(block_size, nh, nkv, hd):
+def test_decodes_equal_dense_attention(block_size, nh, nkv, hd):
     lens = [1, 5, 16, 17, 70]
     q, k, v, cache, md, tables = _batch(lens, block_size, nh, nkv, hd, seed=hd)
-    out = decode_attention(q, k, v, cache, md.slot_mapping, md.block_tables, md.seq_lens, 0.125)
+    out = _run(q, k, v, cache, md)
     slots = md.slot_mapping
     assert torch.equal(cache[0].flatten(0, 1)[slots], k)  # the new K/V were written first
     assert torch.equal(cache[1].flatten(0, 1)[slots], v)
@@ -59,35 +66,45 @@ def test_decode_attention_equals_dense_attention(block_size, nh, nkv, hd):
     )
 
 
-def test_a_sequence_is_bit_identical_alone_and_in_any_batch():
-    lens = [3, 40, 9, 33]
-    q, k, v, cache, md, _ = _batch(lens, 16, 9, 3, 64, seed=1)
-    batch = decode_attention(
-        q, k, v, cache.clone(), md.slot_mapping, md.block_tables, md.seq_lens, 0.125
-    )
-    for i in range(len(lens)):
-        one = (md.slot_mapping[i : i + 1], md.block_tables[i : i + 1], md.seq_lens[i : i + 1])
-        alone = decode_attention(
-            q[i : i + 1], k[i : i + 1], v[i : i + 1], cache.clone(), *one, 0.125
-        )
-        assert torch.equal(alone[0], batch[i])
+def test_prefill_chunks_equal_dense_causal_attention():
+    lens, new = [9, 40, 17], [4, 23, 1]  # chunks after cached context, and a decode
+    q, k, v, cache, md, tables = _batch(lens, 16, 9, 3, 64, seed=4, new=new)
+    out = _run(q, k, v, cache, md)
+    torch.testing.assert_close(out, _dense(q, cache, tables, lens, 16, new), atol=1e-5, rtol=1e-5)
+
+
+def test_a_token_is_bit_identical_alone_in_any_batch_and_any_chunking():
+    lens, new = [3, 40, 9, 33], [1, 12, 1, 5]
+    q, k, v, cache, md, tables = _batch(lens, 16, 9, 3, 64, seed=1, new=new)
+    batch = _run(q, k, v, cache.clone(), md)
+    first = 0
+    for i, (n, m) in enumerate(zip(lens, new)):  # each sequence alone, token by token
+        for j in range(m):
+            t = first + j
+            _, one = build_attn_metadata([(n - m + j, 1)], [tables[i]], 16)
+            ctx = cache.clone()
+            ctx.flatten(1, 2)[:, md.slot_mapping[first:t]] = torch.stack([k[first:t], v[first:t]])
+            alone = _run(q[t : t + 1], k[t : t + 1], v[t : t + 1], ctx, one)
+            assert torch.equal(alone[0], batch[t])
+        first += m
 
 
 def test_slot_minus_one_writes_nothing_and_bad_lengths_raise():
     q, k, v, cache, md, _ = _batch([4, 6], 16, 4, 2, 32, seed=2)
     before = cache.clone()
     slots = torch.full_like(md.slot_mapping, -1)
-    decode_attention(q, k, v, cache, slots, md.block_tables, md.seq_lens, 0.125)
+    seqs, lens = token_contexts(md)
+    paged_attention(q, k, v, cache, slots, md.block_tables, seqs, lens, 0.125)
     assert torch.equal(cache, before)
-    too_long = md.seq_lens.clone()
+    too_long = lens.clone()
     too_long[0] = md.block_tables.shape[1] * 16 + 1
-    with pytest.raises(RuntimeError, match="seq_lens"):
-        decode_attention(q, k, v, cache, slots, md.block_tables, too_long, 0.125)
+    with pytest.raises(RuntimeError, match="token_len"):
+        paged_attention(q, k, v, cache, slots, md.block_tables, seqs, too_long, 0.125)
 
 
 def test_the_torch_backend_takes_the_kernel_for_pure_decode_steps():
     lens = [7, 20]
     q, k, v, cache, md, tables = _batch(lens, 16, 9, 3, 64, seed=3)
     out = TorchAttentionBackend().forward(q, k, v, cache, md, 0.125)
-    assert md.backend_plan is None  # no torch plan was built: the kernel ran
+    assert isinstance(md.backend_plan, tuple)  # the kernel's token contexts, not a torch plan
     torch.testing.assert_close(out, _dense(q, cache, tables, lens, 16), atol=1e-5, rtol=1e-5)

@@ -97,3 +97,16 @@ def step_moe(x: torch.Tensor, layer: int) -> torch.Tensor:
 @step_moe.register_fake
 def _(x, layer):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("prefixserve::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``torch.rms_norm`` as the eager step runs it: inside a compiled step the norms keep ATen's
+    reduction order (Inductor's own would round differently), so a compiled step gives the
+    eager step's bits."""
+    return torch.rms_norm(x, weight.shape, weight, eps)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)

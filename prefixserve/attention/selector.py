@@ -5,12 +5,19 @@ from __future__ import annotations
 import torch
 
 from prefixserve.attention.backend import AttentionBackend
-from prefixserve.errors import BackendUnavailableError
+from prefixserve.errors import BackendUnavailableError, InvalidArgumentError
 
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+def get_attention_backend(
+    name: str, device: torch.device, batch_invariant: bool = False
+) -> AttentionBackend:
     if name == "auto":
         name = "triton" if device.type == "cuda" and _triton_importable() else "torch"
+    if batch_invariant and (name != "torch" or device.type != "cpu"):
+        raise InvalidArgumentError(
+            "batch_invariant runs on CPU with the torch attention backend only",
+            param="batch_invariant",
+        )
     if name == "triton":
         from prefixserve.attention.triton_backend import (
             TritonAttentionBackend,
@@ -22,7 +29,7 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "torch":
         from prefixserve.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(batch_invariant)
     raise BackendUnavailableError(f"unknown attention backend {name!r}; use auto, torch or triton")
 
 

@@ -9,10 +9,12 @@ partial results are merged by log-sum-exp (``out = sum_p e^lse_p out_p / sum_p e
     part 2 (prior context):   each query sees all of it; only key padding is masked
     part 3 (the chunk):       causal among the chunk's own tokens (K/V straight from this step)
 
-On CPU in float32 a step of decodes alone runs the C++ paged decode kernel instead
+On CPU in float32 a step of decodes alone runs the C++ paged attention kernel instead
 (``prefixserve.kernels.cpu_attention``): it writes the K/V and reads each sequence's blocks in
-place, one sequence at a time, so a sequence's result does not depend on the rest of the batch;
-prefix groups are not used there.
+place, one token at a time, so a token's result does not depend on the rest of the batch;
+prefix groups are not used there. With ``batch_invariant`` every step runs it (prefill chunks
+too: each token over its whole context, so neither the batch nor the chunking of a prompt
+changes a bit).
 
 Prefix groups (``AttentionMetadata.prefix_groups``) are sequences whose block tables start with
 the same blocks: requests that hit one cached system prompt, forked samples, beams; attention over
@@ -38,8 +40,9 @@ import torch
 
 from prefixserve.attention.backend import AttentionBackend
 from prefixserve.attention.metadata import AttentionMetadata
+from prefixserve.errors import InvalidArgumentError
 from prefixserve.kernels import cpu_ops
-from prefixserve.kernels.cpu_attention import decode_attention
+from prefixserve.kernels.cpu_attention import paged_attention, token_contexts
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +54,19 @@ FREE_PADDING_TOKENS = 64
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Reference backend; the definition of correct for every other backend."""
+    """Reference backend; the definition of correct for every other backend. ``batch_invariant``
+    runs every step through the C++ kernel (CPU, float32; see the module docstring)."""
 
     name = "torch"
+
+    def __init__(self, batch_invariant: bool = False) -> None:
+        if batch_invariant and not cpu_ops.available():
+            raise InvalidArgumentError(
+                "batch_invariant needs the CPU kernels, which could not be built here (a C++ "
+                "compiler and ninja); see the log",
+                param="batch_invariant",
+            )
+        self.batch_invariant = batch_invariant
 
     def forward(
         self,
@@ -65,10 +78,14 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:  # [T, nh, hd]
         md = attn_metadata
-        if md.num_decodes == query.shape[0] and _cpu_kernel_applies(query):
-            return decode_attention(
+        if (self.batch_invariant or md.num_decodes == query.shape[0]) and _cpu_kernel_applies(
+            query
+        ):
+            if md.backend_plan is None:
+                md.backend_plan = token_contexts(md)  # (token_seq, token_len), every layer's
+            return paged_attention(
                 query.contiguous(), key.contiguous(), value.contiguous(), kv_cache,
-                md.slot_mapping, md.block_tables, md.seq_lens, scale,
+                md.slot_mapping, md.block_tables, *md.backend_plan, scale,
             )  # fmt: skip
         if md.backend_plan is None:
             md.backend_plan = _StepPlan.build(md, kv_cache.shape[2], query.device, query.dtype)

@@ -19,7 +19,8 @@ Dense and Portable kernels. Before ``finalize_linears`` a ``Linear`` multiplies 
 weight (models built by hand in tests).
 
 Which matrices are quantized (``quantization`` int8 / int4): the decoder layers' linears in the
-scheme, and the vocabulary matrix (embedding and lm_head) in int8 under either scheme, as
+scheme (not an MoE router), and the vocabulary matrix (embedding and lm_head) in int8 under
+either scheme, as
 llama.cpp keeps GGUF's token embedding in Q8_0 beside Q4 layers; a GGUF file's own quantized
 tensors (``prequantized``) are kept as they are. Matrices whose ``in_features`` is not a multiple
 of the group stay in float (logged).
@@ -206,6 +207,9 @@ class TritonInt4(LinearKernel):
         return (w + self.shifts[index][..., None]).flatten(-2)
 
 
+PACKED_KERNELS = (PackedFloat, PackedInt8, PackedInt4)  # cpu_linear's: batch-invariant
+
+
 class Linear(nn.Module):
     """``y = x W^T + b`` (see the module docstring); parameters uninitialized until loaded."""
 
@@ -293,7 +297,7 @@ def finalize_linears(
 
 
 def _scheme_for(name: str, method: str | None) -> str | None:
-    if method is None:
+    if method is None or name.endswith(".mlp.gate"):  # MoE routers stay float, as llama.cpp's
         return None
     if ".layers." in f".{name}.":
         return method

@@ -69,6 +69,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 == self.weight.dtype:  # one fused op, bit-equal (tested)
+            if torch.compiler.is_compiling():  # opaque: the eager reduction order, compiled too
+                return torch.ops.prefixserve.rms_norm(x, self.weight, self.eps)
             return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

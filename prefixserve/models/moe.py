@@ -28,7 +28,7 @@ from torch import nn
 
 from prefixserve.errors import ModelLoadError
 from prefixserve.models.config import MoEConfig
-from prefixserve.models.linear import LinearKernel, make_kernel
+from prefixserve.models.linear import Linear, LinearKernel, make_kernel
 from prefixserve.models.quantization import GROUP_SIZE, quantize
 
 logger = logging.getLogger(__name__)
@@ -125,21 +125,9 @@ class Experts(nn.Module):
         return method
 
 
-class TopKRouter(nn.Module):
-    """``weight [E, H]`` (no bias): a token's router logits are ``x @ weight^T``."""
-
-    def __init__(self, moe: MoEConfig, hidden_size: int) -> None:
-        super().__init__()
-        self.top_k, self.renormalize = moe.top_k, moe.norm_topk_prob
-        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(topk_weights, topk_ids)``, each ``[T, top_k]`` (see ``select_experts``)."""
-        return select_experts(F.linear(x, self.weight), self.top_k, self.renormalize)
-
-
 class SparseMoeBlock(nn.Module):
-    """Router (``gate``) and ``experts``; the MLP of a Qwen3-MoE sparse layer.
+    """Router (``gate``: ``[E, H]``, a token's router logits are ``x @ gate^T``; a ``Linear``,
+    never quantized) and ``experts``; the MLP of a Qwen3-MoE sparse layer.
 
     ``use_triton`` picks ``fused_moe`` over ``grouped_experts``; the model sets it where its
     attention backend is Triton, so a CUDA-graphed decode step never syncs with the host.
@@ -147,7 +135,8 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, moe: MoEConfig, hidden_size: int, use_triton: bool) -> None:
         super().__init__()
-        self.gate = TopKRouter(moe, hidden_size)
+        self.gate = Linear(hidden_size, moe.num_experts, bias=False)
+        self.top_k, self.renormalize = moe.top_k, moe.norm_topk_prob
         self.experts = Experts(moe, hidden_size)
         self.use_triton = use_triton
 
@@ -161,7 +150,7 @@ class SparseMoeBlock(nn.Module):
         return self.experts.to_kernels(method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
-        topk_weights, topk_ids = self.gate(x)  # (T, top_k) each
+        topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
         w13, w2 = self.experts.matrices()
         if self.use_triton:
             from prefixserve.kernels.fused_moe import fused_moe
