@@ -26,13 +26,14 @@ def server_process(
     *extra: str, env: dict | None = None, num_kv_blocks: int = 512, timeout: float = 90.0
 ) -> Iterator[tuple[subprocess.Popen, str]]:
     """``python -m prefixserve serve`` on a free port, once healthy: yields (process, base URL).
+    Stored responses stay in memory unless ``extra`` names a ``--responses-store-path``.
 
     On exit a process still running is terminated (killed if it does not stop in 15 s).
     """
     port = free_port()
     cmd = [sys.executable, "-m", "prefixserve", "serve", "--port", str(port)]
     cmd += ["--num-kv-blocks", str(num_kv_blocks), "--max-model-len", "1024"]
-    cmd += ["--log-level", "warning", *extra]
+    cmd += ["--log-level", "warning", "--responses-store-path", ":memory:", *extra]
     proc = subprocess.Popen(
         cmd,
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},

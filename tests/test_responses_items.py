@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from prefixserve.api.protocol import APIError
-from prefixserve.api.responses_items import chat_tools, normalize_input, to_messages
+
+from prefixserve.api.frontend.protocol import APIError
+from prefixserve.api.openai.responses.items import chat_tools, normalize_input, to_messages
 
 
 def test_string_input_is_one_user_message_with_an_id():
@@ -89,7 +90,7 @@ def test_namespace_functions_are_flattened_and_remember_their_namespace():
 
 
 def test_strict_is_true_unless_set_false():
-    from prefixserve.api.responses_items import strict_names
+    from prefixserve.api.openai.responses.items import strict_names
 
     tools = [{"type": "function", "name": "a"}, {"type": "function", "name": "b", "strict": False},
              {"type": "function", "name": "c", "strict": True},

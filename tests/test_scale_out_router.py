@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from prefixserve.api.responses_continuation import continue_prompt, render_prompt
-from prefixserve.api.responses_items import normalize_input, to_messages
 
+from prefixserve.api.openai.responses.continuation import continue_prompt, render_prompt
+from prefixserve.api.openai.responses.items import normalize_input, to_messages
 from prefixserve.chat_template import render_chat_text
 from prefixserve.config import EngineConfig
 from prefixserve.engine import LLMEngine
