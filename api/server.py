@@ -64,6 +64,7 @@ from prefixserve.api.openai.responses.store import (
     IN_MEMORY,
     ResponseStore,
 )
+from prefixserve.api.openai.responses.tools import HOSTED_POLICIES
 from prefixserve.api.openai.responses.websocket import serve_websocket
 from prefixserve.chat_template import CONTENT_FORMATS, render_chat
 from prefixserve.engine import LLMEngine
@@ -90,7 +91,8 @@ class ServerConfig:
     tenant: entries, bytes, None for the global bound) and its SQLite file (``:memory:``: none).
     ``api_key``, ``api_keys`` (key -> tenant name): the keys accepted on /v1 (``frontend.tenancy``);
     ``share_prefix_cache_across_tenants``: tenants share cached blocks (never stored responses).
-    ``drop_attribution_header``: leave Claude Code's per-session attribution block out of
+    ``hosted_tools``: ``accept`` (hosted Responses tools are not offered, and said so) or
+    ``refuse`` (a 400). ``drop_attribution_header``: leave Claude Code's per-session attribution block out of
     Messages prompts (``api/messages_prompt.py``). ``messages_force_tool_call``: a testing aid
     (``MessagesServing``).
     """
@@ -113,6 +115,7 @@ class ServerConfig:
     responses_store_tenant_max_entries: int | None = None
     responses_store_tenant_max_bytes: int | None = None
     responses_store_path: str = IN_MEMORY
+    hosted_tools: str = "accept"
     drop_attribution_header: bool = True
     messages_force_tool_call: dict | None = None
 
@@ -136,6 +139,10 @@ class ServerConfig:
             raise InvalidArgumentError(
                 f"chat_template_content_format: must be one of {CONTENT_FORMATS}",
                 "chat_template_content_format",
+            )
+        if self.hosted_tools not in HOSTED_POLICIES:
+            raise InvalidArgumentError(
+                f"hosted_tools: must be one of {HOSTED_POLICIES}", "hosted_tools"
             )
         if self.shutdown_grace_seconds < 0:
             raise InvalidArgumentError(
@@ -224,7 +231,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         config.responses_store_tenant_max_bytes,
         config.responses_store_path,
     )
-    responses = ResponsesServing(engine, names, store, **template)
+    responses = ResponsesServing(engine, names, store, config.hosted_tools, **template)
     messages = MessagesServing(engine, names, config.drop_attribution_header,
                                config.messages_force_tool_call, **template)  # fmt: skip
 

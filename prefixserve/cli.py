@@ -235,6 +235,13 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         help="bytes one tenant's stored responses may hold (default: the store's bound)",
     )
     p.add_argument(
+        "--hosted-tools",
+        choices=["accept", "refuse"],
+        default="accept",
+        help="hosted Responses tools (web_search, file_search, ...): accept them and offer them "
+        "to no model (said in a response header), or refuse the request with a 400",
+    )
+    p.add_argument(
         "--responses-store-path",
         default=default_store_path(),
         help="the SQLite file stored responses are kept in across restarts; ':memory:' keeps "
@@ -279,6 +286,7 @@ def run_serve(args: argparse.Namespace) -> int:
         responses_store_tenant_max_entries=args.responses_store_tenant_max_entries,
         responses_store_tenant_max_bytes=args.responses_store_tenant_max_bytes,
         responses_store_path=args.responses_store_path,
+        hosted_tools=args.hosted_tools,
         drop_attribution_header=args.drop_attribution_header,
         messages_force_tool_call=args.messages_force_tool_call,
     )

@@ -45,17 +45,16 @@ def codex_binary() -> Path:
     return binary
 
 
-def codex_home(folder: Path, base_url: str, model: str, websockets: bool = False) -> Path:
+def codex_home(
+    folder: Path, base_url: str, model: str, websockets: bool = False, default: bool = False
+) -> Path:
     """A ``CODEX_HOME`` whose only provider is ``base_url``, offline and without retries; short
-    base instructions keep the prompt within a small test model's context."""
+    base instructions keep the prompt within a small test model's context. ``default``: Codex's
+    own configuration otherwise (its instructions, web search, plugins and features as shipped);
+    only analytics and feedback, which would leave the machine, stay off."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "instructions.md").write_text("You are a coding agent. Be brief.\n")
-    (folder / "config.toml").write_text(f"""\
-model = "{model}"
-model_provider = "local"
-model_instructions_file = "{folder / "instructions.md"}"
-web_search = "disabled"
-
+    provider = f"""\
 [model_providers.local]
 name = "local"
 base_url = "{base_url}"
@@ -64,6 +63,18 @@ env_key = "PREFIXSERVE_TEST_KEY"
 request_max_retries = 0
 stream_max_retries = 0
 supports_websockets = {"true" if websockets else "false"}
+
+[analytics]
+enabled = false
+
+[feedback]
+enabled = false
+"""
+    head = f'model = "{model}"\nmodel_provider = "local"\n'
+    if not default:
+        head += f"""\
+model_instructions_file = "{folder / "instructions.md"}"
+web_search = "disabled"
 
 [features]
 plugins = false
@@ -75,13 +86,8 @@ goals = false
 
 [agents]
 enabled = false
-
-[analytics]
-enabled = false
-
-[feedback]
-enabled = false
-""")
+"""
+    (folder / "config.toml").write_text(f"{head}\n{provider}")
     return folder
 
 
@@ -96,11 +102,11 @@ def run_codex(binary: Path, home: Path, workdir: Path, prompt: str) -> subproces
 
 
 @contextmanager
-def steering_proxy(upstream: str, command: str) -> Iterator[tuple[str, list[dict]]]:
+def steering_proxy(upstream: str, command: str | None) -> Iterator[tuple[str, list[dict]]]:
     """An HTTP proxy to ``upstream`` that records each POST body as Codex sent it and steers it
-    (``_steer``): on a turn without a tool result yet the model must call Codex's
-    ``exec_command`` with ``cmd`` = ``command`` (a random-weight model would never choose it).
-    Yields (its /v1 URL, the recorded bodies)."""
+    (``_steer``, unless ``command`` is None): on a turn without a tool result yet the model must
+    call Codex's ``exec_command`` with ``cmd`` = ``command`` (a random-weight model would never
+    choose it). Yields (its /v1 URL, the recorded bodies)."""
     recorded: list[dict] = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -109,7 +115,8 @@ def steering_proxy(upstream: str, command: str) -> Iterator[tuple[str, list[dict
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["content-length"])))
             recorded.append(json.loads(json.dumps(body)))
-            _steer(body, command)
+            if command is not None:
+                _steer(body, command)
             headers = {"authorization": self.headers.get("authorization", "")}
             with httpx.stream("POST", upstream + self.path, json=body, headers=headers,
                               timeout=300) as reply:  # fmt: skip
@@ -134,7 +141,7 @@ def steering_proxy(upstream: str, command: str) -> Iterator[tuple[str, list[dict
 
 
 @contextmanager
-def steering_websocket_proxy(upstream: str, command: str) -> Iterator[tuple[str, list[dict]]]:
+def steering_websocket_proxy(upstream: str, command: str | None) -> Iterator[tuple[str, list[dict]]]:
     """``steering_proxy`` for Responses over WebSocket: relays frames both ways, recording and
     steering each ``response.create`` frame the same way (a warm-up is left alone)."""
     from websockets.asyncio.client import connect
@@ -151,7 +158,8 @@ def steering_websocket_proxy(upstream: str, command: str) -> Iterator[tuple[str,
                 async for frame in client:
                     recorded.append(json.loads(frame))
                     body = json.loads(frame)
-                    _steer(body, command)
+                    if command is not None:
+                        _steer(body, command)
                     await server.send(json.dumps(body))
 
             async def down() -> None:

@@ -1,12 +1,13 @@
-"""Responses items <-> chat messages, and Responses tools -> chat tools.
+"""Responses items <-> chat messages.
 
 Input items (``message``, ``function_call``, ``function_call_output``, ``reasoning``) are checked
 and given ids (``normalize_input``), then turned into the chat messages the template renders
 (``to_messages``):
 
     message (user | assistant | system | developer)  -> {"role", "content": text}  developer->system
-    function_call (after an assistant message, or alone) -> that assistant message's tool_calls
-    function_call_output                               -> {"role": "tool", "tool_call_id", "content"}
+    function_call, custom_tool_call (after an assistant -> that assistant message's tool_calls
+      message, or alone)
+    function_call_output, custom_tool_call_output      -> {"role": "tool", "tool_call_id", "content"}
     reasoning (content or summary: a string or parts)  -> "reasoning_content" of the next assistant
                                                           message (templates that show it use it);
                                                           reasoning that no assistant content or
@@ -20,16 +21,15 @@ Consecutive assistant content and function calls form one assistant message, as 
 them in one turn; so a response's own output items render back into the text it generated, and a
 continuation's splice check (``responses_continuation``) passes.
 
-Tools: ``function`` tools become chat tools, and so do the functions of a ``namespace`` (Codex's
-groups; their calls carry the namespace back). Every other type is refused by name: the hosted
-ones (``web_search``, ``file_search``, ``computer_use``, ``code_interpreter``, ``mcp``, ...) run on
-OpenAI's side, and Codex's client-side ``custom`` (free-form input) and ``tool_search`` are not
-mapped (README: "Responses API").
+A ``custom_tool_call`` is the assistant's call of a ``custom`` tool (``tools``): its ``input``
+goes to the template as the arguments ``{"input": ...}``; its ``custom_tool_call_output`` is a
+tool message.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 from prefixserve.api.frontend.protocol import APIError, random_id
@@ -37,7 +37,10 @@ from prefixserve.api.frontend.protocol import APIError, random_id
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 _ID_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_",
+              "custom_tool_call": "ctc_", "custom_tool_call_output": "ctco_",
               "reasoning": "rs_"}  # fmt: skip
+_CALLS = ("function_call", "custom_tool_call")
+_OUTPUTS = ("function_call_output", "custom_tool_call_output")
 
 
 def normalize_input(value: str | list[Any]) -> list[dict[str, Any]]:
@@ -55,7 +58,8 @@ def normalize_input(value: str | list[Any]) -> list[dict[str, Any]]:
             raise _bad(
                 i,
                 f"items of type {kind!r} are not supported; send message, function_call, "
-                "function_call_output or reasoning items",
+                "function_call_output, custom_tool_call, custom_tool_call_output or reasoning "
+                "items",
             )
         _check(i, item)
         item.setdefault("id", random_id(_ID_PREFIX[kind]))
@@ -69,15 +73,15 @@ def _check(i: int, item: dict[str, Any]) -> None:
     kind = item["type"]
     if kind == "message" and item.get("role") not in _ROLES:
         raise _bad(i, f"role must be one of {sorted(_ROLES)}, got {item.get('role')!r}")
-    if kind == "function_call":
-        for key in ("call_id", "name", "arguments"):
+    if kind in _CALLS:
+        for key in ("call_id", "name", "arguments" if kind == "function_call" else "input"):
             if not isinstance(item.get(key), str):
-                raise _bad(i, f"a function_call needs a string {key!r}")
+                raise _bad(i, f"a {kind} needs a string {key!r}")
     if kind == "reasoning":
         reasoning_text(i, item)
-    if kind == "function_call_output":
+    if kind in _OUTPUTS:
         if not isinstance(item.get("call_id"), str):
-            raise _bad(i, "a function_call_output needs a string 'call_id'")
+            raise _bad(i, f"a {kind} needs a string 'call_id'")
         _text_of(i, item.get("output"), "output")
 
 
@@ -137,24 +141,24 @@ def to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if kind == "reasoning":
             reasoning.append(reasoning_text(i, item))
             continue
-        role = {"function_call": "assistant", "function_call_output": "tool"}.get(kind)
+        role = "assistant" if kind in _CALLS else "tool" if kind in _OUTPUTS else None
         role = role or _ROLES[item["role"]]
         if reasoning and role != "assistant":  # the turn that reasoned wrote nothing more
             messages.append({"role": "assistant", "content": "",
                              "reasoning_content": "\n".join(reasoning)})  # fmt: skip
             reasoning = []
-        if kind == "function_call_output":
+        if kind in _OUTPUTS:
             text = _text_of(i, item["output"], "output")
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
             continue
         last = messages[-1] if messages else None
         if role == "assistant" and not (last and last["role"] == "assistant" and
-                                        kind == "function_call"):  # fmt: skip
+                                        kind in _CALLS):  # fmt: skip
             last = {"role": "assistant", "content": None}
             messages.append(last)
-        if kind == "function_call":
+        if kind in _CALLS:
             call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}  # fmt: skip
+                    "function": {"name": item["name"], "arguments": _arguments(item)}}  # fmt: skip
             last.setdefault("tool_calls", []).append(call)
         elif role == "assistant":
             last["content"] = _text_of(i, item["content"], "content")
@@ -166,60 +170,11 @@ def to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
-_HOSTED = ("web_search", "web_search_preview", "file_search", "computer_use",
-           "computer_use_preview", "code_interpreter", "mcp", "image_generation", "local_shell",
-           "shell", "apply_patch")  # fmt: skip
-
-
-def chat_tools(tools: list[dict[str, Any]] | None) -> tuple[list[dict] | None, dict[str, str]]:
-    """(chat tool definitions of Responses ``tools``, {function name: its namespace}); a 400
-    naming a type that cannot run here. A ``namespace`` (Codex's group of function tools) is
-    flattened: the template sees its functions by name, and their calls name the namespace."""
-    if not tools:
-        return None, {}
-    out: list[dict] = []
-    namespaces: dict[str, str] = {}
-    for i, tool in enumerate(tools):
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind == "namespace" and isinstance(tool.get("name"), str):
-            for inner in tool.get("tools") or []:
-                out.append(_function(i, inner))
-                namespaces[inner["name"]] = tool["name"]
-            continue
-        out.append(_function(i, tool))
-    names = [t["function"]["name"] for t in out]
-    for name in names:
-        if names.count(name) > 1:
-            raise APIError(f"tools: the function name {name!r} is given twice", 400, "tools")
-    return out, namespaces
-
-
-def strict_names(tools: list[dict[str, Any]] | None) -> set[str]:
-    """Names of the function tools whose arguments must match their schema: ``strict`` is true
-    unless set to false (OpenAI's default for Responses function tools)."""
-    out = set()
-    for tool in tools or []:
-        inner = (tool.get("tools") or []) if tool.get("type") == "namespace" else [tool]
-        out |= {
-            t["name"] for t in inner if t.get("type") == "function" and t.get("strict") is not False
-        }
-    return out
-
-
-def _function(i: int, tool: Any) -> dict[str, Any]:
-    kind = tool.get("type") if isinstance(tool, dict) else None
-    if kind != "function":
-        why = (
-            "it is a hosted tool that runs on OpenAI's side"
-            if kind in _HOSTED
-            else "only function tools and namespaces of them are supported (see the README's "
-            "Responses API section)"
-        )
-        raise APIError(f"tools[{i}]: tool type {kind!r} is not supported: {why}", 400, "tools")
-    if not isinstance(tool.get("name"), str) or not tool["name"]:
-        raise APIError(f"tools[{i}]: a function tool needs a 'name'", 400, "tools")
-    function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k)}
-    return {"type": "function", "function": function}
+def _arguments(item: dict[str, Any]) -> str:
+    """A call's arguments as the template gets them (a custom call's input as ``{"input"}``)."""
+    if item["type"] == "custom_tool_call":
+        return json.dumps({"input": item["input"]}, ensure_ascii=False)
+    return item["arguments"]
 
 
 def _bad(i: int, why: str) -> APIError:

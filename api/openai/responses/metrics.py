@@ -1,5 +1,6 @@
 """Prometheus figures of the Responses front, read at scrape time from its live objects:
-continuations by how their prompt was built, truncations, and the store's size and evictions."""
+continuations by how their prompt was built, truncations, tools not offered, and the store's
+size and evictions."""
 
 from __future__ import annotations
 
@@ -42,6 +43,15 @@ class ResponsesCollector(Collector):
         )
         truncations.add_metric(label, self.serving.truncations)
         yield truncations
+        not_offered = CounterMetricFamily(
+            "prefixserve_responses_tools_not_offered",
+            "Tools of Responses requests not offered to the model, by type: hosted ones nothing "
+            "here can run, and tool_search (every tool is offered up front).",
+            labels=["model_name", "type"],
+        )
+        for kind, count in sorted(self.serving.tools_not_offered.items()):
+            not_offered.add_metric([*label, kind], count)
+        yield not_offered
         evictions = CounterMetricFamily(
             "prefixserve_responses_store_evictions",
             "Stored responses dropped for the store's entry, byte or age limit.",

@@ -7,6 +7,8 @@ events that announce them, in OpenAI's order::
                     output_text.done, content_part.done, output_item.done
     function_call:  output_item.added, function_call_arguments.delta*,
                     function_call_arguments.done, output_item.done
+    custom_tool_call: output_item.added, custom_tool_call_input.delta,
+                    custom_tool_call_input.done, output_item.done
 
 ``feed`` takes the next piece of visible text (and, for plain text, its tokens' logprobs);
 ``finish`` closes what is open with the response's status. A non-streamed response feeds its
@@ -20,11 +22,13 @@ the answer starts; text as messages; each call as a ``function_call`` item, emit
 complete (a call cut off by ``max_output_tokens`` is neither streamed nor returned in forced
 modes, and stays text in ``auto``). Logprobs ride on plain text only (no tool mode), never on
 reasoning. A call's ``call_id`` is the parser's id (Mistral templates need the 9-character one
-the model wrote); ``namespaces``: the namespace a function's calls name.
+the model wrote); ``namespaces``: the namespace a function's calls name; ``custom``: the custom
+tools, whose calls (a function of ``input``, ``tools``) are ``custom_tool_call`` items.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from prefixserve.api.frontend.protocol import random_id
@@ -46,9 +50,12 @@ class ResponseOutput:
         parser: ReplyParser,
         with_logprobs: bool = False,
         namespaces: dict[str, str] | None = None,
+        custom: frozenset[str] = frozenset(),
     ) -> None:
         self.parser = parser
         self.namespaces = namespaces or {}
+        self.custom = custom
+        self._custom: list[str] = []  # a custom tool's call being read: call id, name, arguments
         self.items: list[dict[str, Any]] = []
         self.with_logprobs = with_logprobs
         self._reasoned = False
@@ -88,9 +95,17 @@ class ResponseOutput:
                 logprobs = None
             elif isinstance(part, ToolCallStarted):
                 events += self._close_reasoning("completed") + self._close_message("completed")
-                events += self._add_call(part.name, part.call_id)
+                if part.name in self.custom:
+                    self._custom = [part.call_id, part.name, ""]
+                else:
+                    events += self._add_call(part.name, part.call_id)
+            elif isinstance(part, ToolCallArguments) and self._custom:
+                self._custom[2] += part.delta
             elif isinstance(part, ToolCallArguments):
                 events += self._call_arguments(part.delta)
+            elif isinstance(part, ToolCallEnded) and self._custom:
+                events += self._custom_call(*self._custom)
+                self._custom = []
             elif isinstance(part, ToolCallEnded):
                 events += self._close_call("completed")
             elif isinstance(part, Finish):
@@ -182,6 +197,23 @@ class ResponseOutput:
         done = {"type": "response.function_call_arguments.done", **self._at(item),
                 "name": item["name"], "arguments": item["arguments"]}  # fmt: skip
         return [done, self._done(item)]
+
+    def _custom_call(self, call_id: str, name: str, arguments: str) -> list[dict]:
+        """A custom tool's call, whole: its input is the ``input`` of the call's arguments."""
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            value = None
+        text = value.get("input") if isinstance(value, dict) else None
+        text = text if isinstance(text, str) else arguments
+        item = {"id": random_id("ctc_"), "type": "custom_tool_call", "status": "completed",
+                "call_id": call_id, "name": name, "input": ""}  # fmt: skip
+        added = self._added(item)
+        item["input"] = text
+        at = self._at(item)
+        return [added, {"type": "response.custom_tool_call_input.delta", **at, "delta": text},
+                {"type": "response.custom_tool_call_input.done", **at, "input": text},
+                self._done(item)]  # fmt: skip
 
     def _added(self, item: dict[str, Any]) -> dict:
         self.items.append(item)

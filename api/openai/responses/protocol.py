@@ -1,6 +1,8 @@
 """The body of ``POST /v1/responses`` (OpenAI's Responses API) and the fields it refuses.
 
-Every field OpenAI documents is honoured or refused with a 400 naming it (``check_supported``);
+Every field OpenAI documents is honoured, accepted without effect and named in the
+``x-prefixserve-ignored`` response header (``text.verbosity``; ``reasoning.effort`` where the
+chat template has no thinking switch), or refused with a 400 naming it (``check_supported``);
 fields nobody documents are accepted and ignored, as on the other endpoints. ``cache_salt``
 (vLLM's) names the tenant's prefix-cache and store namespace.
 """
@@ -15,6 +17,7 @@ from pydantic import Field
 from prefixserve.api.frontend.protocol import APIError, Lenient
 from prefixserve.sampling_params import MAX_LOGPROBS
 
+EFFORTS = (None, "none", "minimal", "low", "medium", "high", "xhigh")
 INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content")
 """``include`` values honoured: logprobs on output text; encrypted reasoning, of which this
 server has none to send (it keeps reasoning in its store instead)."""
@@ -43,6 +46,7 @@ class ResponsesRequest(Lenient):
     safety_identifier: str | None = None
     service_tier: str | None = None
     background: bool | None = None
+    reasoning: dict[str, Any] | None = None
     stream_options: dict[str, Any] | None = None  # include_obfuscation: no padding is sent
     cache_salt: str | None = None
     seed: int | None = None
@@ -62,9 +66,8 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "conversation": (_unset, "conversations are not supported; use previous_response_id"),
     "prompt": (_unset, "stored prompt templates are not supported"),
     "reasoning": (
-        lambda v: v is None or (isinstance(v, dict) and v.get("effort") in (None, "none")),
-        "reasoning.effort is not controllable here (a summary is accepted; none is written: "
-        "with --reasoning-parser the reasoning comes whole, as reasoning_text content)",
+        lambda v: v is None or (isinstance(v, dict) and v.get("effort") in EFFORTS),
+        f"reasoning.effort: one of {list(EFFORTS[1:])}",
     ),
     "max_tool_calls": (_unset, "max_tool_calls is not supported"),
     "context_management": (_unset, "context management (compaction) is not supported"),
@@ -98,11 +101,17 @@ def check_supported(req: ResponsesRequest) -> None:
             400,
             "metadata",
         )
-    verbosity = (req.text or {}).get("verbosity")
-    if verbosity not in (None, "medium"):
-        raise APIError("text.verbosity: verbosity is not supported; leave it out", 400, "text")
+    if (req.text or {}).get("verbosity") not in (None, "low", "medium", "high"):
+        raise APIError("text.verbosity: 'low', 'medium' or 'high'", 400, "text")
 
 
 def refused_fields() -> list[str]:
     """Every field refused (at some value), for the README and tests."""
-    return sorted({*_REFUSED, "include", "text.verbosity"})
+    return sorted({*_REFUSED, "include"})
+
+
+def thinking_of(req: ResponsesRequest) -> bool | None:
+    """``reasoning.effort`` as the chat template's ``enable_thinking``: off for ``none`` and
+    ``minimal``, on for the others, None when not given."""
+    effort = (req.reasoning or {}).get("effort")
+    return None if effort is None else effort not in ("none", "minimal")

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 from array import array
+from collections import Counter
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from prefixserve.api.async_engine import RequestStream
 from prefixserve.api.frontend.inputs import TemplateServing, ToolRequest
@@ -34,16 +36,19 @@ from prefixserve.api.openai.responses.continuation import (
     render_prompt,
 )
 from prefixserve.api.openai.responses.items import (
-    chat_tools,
     normalize_input,
     reasoning_text,
     split_trailing_reasoning,
-    strict_names,
     to_messages,
 )
 from prefixserve.api.openai.responses.output import ResponseOutput
-from prefixserve.api.openai.responses.protocol import ResponsesRequest, check_supported
+from prefixserve.api.openai.responses.protocol import (
+    ResponsesRequest,
+    check_supported,
+    thinking_of,
+)
 from prefixserve.api.openai.responses.store import Record, ResponseStore, StoredResponse
+from prefixserve.api.openai.responses.tools import ResponsesTools, chat_tools
 from prefixserve.api.openai.responses.truncation import truncate
 from prefixserve.api.openai.responses.turn import LOGPROBS, ResponseTurn
 from prefixserve.api.parsing.reasoning import THINK_END, THINK_START, starts_in_reasoning
@@ -60,11 +65,14 @@ class ResponsesServing(TemplateServing):
     request that lost turns so."""
 
     def __init__(self, engine, served_model_names: list[str], store: ResponseStore,
-                 **options) -> None:  # fmt: skip
+                 hosted_tools: str = "accept", **options) -> None:  # fmt: skip
         super().__init__(engine, served_model_names, **options)
         self.store = store
+        self.hosted_tools = hosted_tools
         self.continuations = {"token_exact": 0, "rerendered": 0, "truncated": 0}
         self.truncations = 0
+        self.tools_not_offered: Counter[str] = Counter()
+        self.thinking_switch = "enable_thinking" in str(engine.tokenizer.chat_template or "")
 
     def stats(self) -> dict:
         """The Responses figures of /stats (the same values as the Prometheus metrics)."""
@@ -133,9 +141,11 @@ class ResponsesServing(TemplateServing):
     # -- POST /v1/responses --------------------------------------------------------------------
 
     async def create(self, req: ResponsesRequest, raw_request: Request):
+        """The response (a JSON body or an event stream), with ``_notices`` as headers."""
         turn, streams = await self.start(req, tenant_of(raw_request))
         if req.stream:
-            return turn.sse(streams)
+            return StreamingResponse(turn.sse(streams), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", **turn.headers})  # fmt: skip
         final = (await self.collect(raw_request, streams))[0]
         c = final.outputs[0]
         output = turn.output()
@@ -144,7 +154,7 @@ class ResponsesServing(TemplateServing):
                         self.logprobs_of(req, c.logprobs, c.token_ids),
                         Finish(c.finish_reason, c.stop_reason))  # fmt: skip
             output.finish(turn.status(c))
-        return turn.complete(final, output)
+        return JSONResponse(turn.complete(final, output), headers=turn.headers)
 
     async def start(
         self, req: ResponsesRequest, tenant: Tenant, connection: str | None = None
@@ -163,11 +173,11 @@ class ResponsesServing(TemplateServing):
                                "previous_response_id", connection)  # fmt: skip
         new_items = normalize_input(req.input)
         history = prev.items + prev.output_items if prev else []
-        tool_defs, namespaces = chat_tools(req.tools)
-        tools = self._tool_request(req, tool_defs)
+        offered = chat_tools(req.tools, self.hosted_tools)
+        tools = self._tool_request(req, offered)
         self.tool_mode(tools)  # a bad tool choice is a 400 before anything is rendered
         prompt, items = await asyncio.to_thread(self._fitted_prompt, req, prev,
-                                                history + new_items, tool_defs)  # fmt: skip
+                                                history + new_items, offered.functions)  # fmt: skip
         logprobs = (req.top_logprobs or 0) if LOGPROBS in (req.include or []) else None
         sampling = _SamplingFields(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                                    cache_salt=req.cache_salt)  # fmt: skip
@@ -181,22 +191,35 @@ class ResponsesServing(TemplateServing):
                                      inputs.grammar_source)  # fmt: skip
         truncated = len(items) < len(history) + len(new_items)
         self.truncations += truncated
+        self.tools_not_offered.update(offered.not_offered)
         if prev is not None:
             kind = "token_exact" if prompt.token_exact else "rerendered"
             self.continuations["truncated" if truncated else kind] += 1
 
         def new_output() -> ResponseOutput:
             return ResponseOutput(self.reply_parser(inputs), LOGPROBS in (req.include or []),
-                                  namespaces)  # fmt: skip
+                                  offered.namespaces, offered.custom)  # fmt: skip
 
         parent = None if prev is None or truncated else req.previous_response_id
         owner = (tenant, connection, parent, len(history))
         turn = ResponseTurn(self, req, response_id, model, owner, items, prompt,
                             (inputs, new_output))  # fmt: skip
+        turn.headers = self._notices(req, offered)
         return turn, streams
 
+    def _notices(self, req: ResponsesRequest, offered: ResponsesTools) -> dict[str, str]:
+        """Response headers naming what the request asked for and did not get."""
+        ignored = [name for name, given in (
+            ("reasoning.effort", thinking_of(req) is not None and not self.thinking_switch),
+            ("text.verbosity", (req.text or {}).get("verbosity") is not None),
+        ) if given]  # fmt: skip
+        headers = {"x-prefixserve-ignored": ", ".join(ignored)} if ignored else {}
+        if offered.not_offered:
+            headers["x-prefixserve-tools-not-offered"] = ", ".join(offered.not_offered)
+        return headers
+
     @staticmethod
-    def _tool_request(req: ResponsesRequest, tools: list[dict] | None) -> ToolRequest:
+    def _tool_request(req: ResponsesRequest, offered: ResponsesTools) -> ToolRequest:
         choice = req.tool_choice
         named = isinstance(choice, dict)
         if named and (choice.get("type") != "function" or not isinstance(choice.get("name"), str)):
@@ -213,10 +236,10 @@ class ResponsesServing(TemplateServing):
                 "tool_choice",
             )
         kind = "named" if named else choice
-        if not tools and kind == "auto":
+        if not offered.functions and kind == "auto":
             kind = "none"
-        return ToolRequest(tools, kind, choice["name"] if named else None,
-                           req.parallel_tool_calls, frozenset(strict_names(req.tools)))  # fmt: skip
+        return ToolRequest(offered.functions, kind, choice["name"] if named else None,
+                           req.parallel_tool_calls, offered.strict)  # fmt: skip
 
     def _fitted_prompt(self, req: ResponsesRequest, prev: StoredResponse | None,
                        items: list[dict], tools: list[dict] | None) -> tuple[Prompt, list[dict]]:  # fmt: skip
@@ -240,9 +263,12 @@ class ResponsesServing(TemplateServing):
         if not messages:
             raise APIError("input: give at least one item (or instructions)", 400, "input")
         try:
+            thinking = thinking_of(req) if self.thinking_switch else None
             text = render_chat_text(self.engine.tokenizer, messages, tools=tools,
                                     add_generation_prompt=req.generate,
-                                    content_format=self.content_format)  # fmt: skip
+                                    content_format=self.content_format,
+                                    chat_template_kwargs=None if thinking is None else {
+                                        "enable_thinking": thinking})  # fmt: skip
         except InvalidArgumentError as exc:
             raise APIError(str(exc), 400, "input") from exc
         text += self._reasoning_prefill(text, trailing)

@@ -49,6 +49,7 @@ class ResponseTurn:
         self.items, self.prompt = items, prompt
         self.inputs, self.output = shape
         self.fmt = (req.text or {}).get("format") or {"type": "text"}
+        self.headers: dict[str, str] = {}  # what was asked for and not honoured
         self.created_at = int(time.time())
 
     def status(self, c: CompletionOutput) -> str:
@@ -65,7 +66,7 @@ class ResponseTurn:
             "max_tool_calls": None, "model": self.model, "output": output,
             "parallel_tool_calls": req.parallel_tool_calls,
             "previous_response_id": req.previous_response_id,
-            "prompt_cache_key": req.prompt_cache_key, "reasoning": None,
+            "prompt_cache_key": req.prompt_cache_key, "reasoning": req.reasoning,
             "safety_identifier": req.safety_identifier, "service_tier": "default",
             "store": req.store, "temperature": 1.0 if req.temperature is None else req.temperature,
             "text": {"format": self.fmt}, "tool_choice": req.tool_choice,
