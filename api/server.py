@@ -28,14 +28,13 @@ from types import FrameType
 
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import prefixserve
 from prefixserve.api.anthropic.messages import MessagesServing
 from prefixserve.api.anthropic.protocol import (
     CountTokensRequest,
-    MessagesRequest,
     is_messages_path,
 )
 from prefixserve.api.async_engine import AsyncEngine, EngineDeadError
@@ -47,15 +46,12 @@ from prefixserve.api.metrics import ServerMetrics
 from prefixserve.api.openai.chat import ChatServing
 from prefixserve.api.openai.completions import CompletionServing
 from prefixserve.api.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
     DetokenizeRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
 )
 from prefixserve.api.openai.responses.metrics import ResponsesCollector
-from prefixserve.api.openai.responses.protocol import ResponsesRequest
 from prefixserve.api.openai.responses.serving import ResponsesServing
 from prefixserve.api.openai.responses.store import (
     DEFAULT_MAX_AGE_S,
@@ -322,25 +318,13 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         completion.check_model(model_id)
         return ModelCard(id=model_id, root=engine.model_name, max_model_len=engine.max_model_len)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, raw_request: Request):
-        return _respond(await chat.create(req, raw_request))
-
-    @app.post("/v1/messages")
-    async def create_message(req: MessagesRequest, raw_request: Request):
-        return _respond(await messages.create(req, raw_request))
+    for path, create in (("/v1/chat/completions", chat.create), ("/v1/completions", completion.create),
+                         ("/v1/responses", responses.create), ("/v1/messages", messages.create)):  # fmt: skip
+        app.add_api_route(path, create, methods=["POST"])  # a JSON body or an event stream
 
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(req: CountTokensRequest):
         return await messages.count_tokens(req)
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw_request: Request):
-        return _respond(await completion.create(req, raw_request))
-
-    @app.post("/v1/responses")
-    async def create_response(req: ResponsesRequest, raw_request: Request):
-        return _respond(await responses.create(req, raw_request))
 
     @app.websocket("/v1/responses")
     async def responses_websocket(ws: WebSocket):
@@ -406,14 +390,6 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.add_middleware(Gate, max_body_bytes=config.max_request_body_bytes,
                        activity=app.state.activity)
     return app
-
-
-def _respond(result):
-    if hasattr(result, "__aiter__"):
-        return StreamingResponse(
-            result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
-    return result
 
 
 def run_server(

@@ -5,6 +5,8 @@ protocol (content around calls, cut-off calls, ``parallel_tool_calls: false``)."
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,9 +16,7 @@ from prefixserve.api.parsing.reply import (
     Finish,
     ReplyParser,
     TextDelta,
-    ToolCallArguments,
-    ToolCallEnded,
-    ToolCallStarted,
+    ToolCallDelta,
     ToolMode,
     fold,
 )
@@ -54,7 +54,7 @@ def _parser(syntax: str, mode: ToolMode, reasoning: bool, parallel: bool) -> Rep
 def _run(parser: ReplyParser, text: str, cuts: list[int]) -> list:
     bounds = [0, *sorted(set(cuts)), len(text)]
     parts = []
-    for start, end in zip(bounds, bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         parts += parser.feed(text[start:end])
     return parts + parser.feed("", Finish("stop"))
 
@@ -124,13 +124,11 @@ def test_without_parallel_only_the_first_call_is_kept():
 def test_parts_come_in_order_and_whitespace_before_a_call_is_dropped():
     parts = _run(_parser("qwen3_coder", ToolMode.AUTO, False, True),
                  "Sure.\n" + CALLS["qwen3_coder"] + "\nand more", [2, 6, 7])  # fmt: skip
-    kinds = [type(p).__name__ for p in parts]
-    assert kinds == ["TextDelta", "TextDelta", "ToolCallStarted", "ToolCallArguments",
-                     "ToolCallEnded", "ToolCallStarted", "ToolCallArguments", "ToolCallEnded",
-                     "TextDelta", "Finish"]  # fmt: skip
-    assert isinstance(parts[2], ToolCallStarted) and parts[2].index == 0
-    assert isinstance(parts[6], ToolCallArguments) and parts[6].delta == "{}"
-    assert isinstance(parts[7], ToolCallEnded) and parts[-2] == TextDelta("\nand more")
+    assert [type(p).__name__ for p in parts] == ["TextDelta", "TextDelta", "ToolCallDelta",
+                                                 "ToolCallDelta", "TextDelta", "Finish"]  # fmt: skip
+    assert parts[2] == ToolCallDelta(0, '{"a": 1, "b": "x"}', parts[2].call_id, "f", done=True)
+    assert parts[3].index == 1 and parts[3].arguments == "{}" and parts[3].done
+    assert parts[-2] == TextDelta("\nand more")
     only_space = fold(_run(_parser("hermes", ToolMode.AUTO, False, True), " \n" + CALLS["hermes"],
                            [1]))  # fmt: skip
     assert only_space.text == ""

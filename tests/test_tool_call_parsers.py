@@ -26,15 +26,8 @@ WEATHER = {
     },
     "required": ["city", "days"],
 }
-ADD = {
-    "type": "object",
-    "properties": {
-        "a": {"type": "integer"},
-        "b": {"type": "integer"},
-        "exact": {"type": "boolean"},
-    },
-    "required": ["a", "b"],
-}
+ADD = {"type": "object", "required": ["a", "b"], "properties": {
+    "a": {"type": "integer"}, "b": {"type": "integer"}, "exact": {"type": "boolean"}}}  # fmt: skip
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
     {"type": "function", "function": {"name": "add", "parameters": ADD}},

@@ -17,15 +17,7 @@ from __future__ import annotations
 
 import json
 
-from prefixserve.api.parsing.reply import (
-    Finish,
-    ReasoningDelta,
-    ReplyParser,
-    TextDelta,
-    ToolCallArguments,
-    ToolCallEnded,
-    ToolCallStarted,
-)
+from prefixserve.api.parsing import reply
 
 Event = tuple[str, dict]
 
@@ -45,27 +37,27 @@ def unparsed_call_text(name: str, arguments: str) -> str:
 
 
 class BlockEvents:
-    def __init__(self, parser: ReplyParser) -> None:
+    def __init__(self, parser: reply.ReplyParser) -> None:
         self.parser = parser
         self.has_calls = False
         self._count = 0  # blocks started
         self._open: str | None = None  # type of the open block
         self._call: list[str] = []  # the call being read: id, name, arguments
 
-    def feed(self, text: str, finish: Finish | None = None) -> list[Event]:
+    def feed(self, text: str, finish: reply.Finish | None = None) -> list[Event]:
         events: list[Event] = []
         for part in self.parser.feed(text, finish):
-            if isinstance(part, ReasoningDelta):
+            if isinstance(part, reply.ReasoningDelta):
                 self._delta("thinking", {"type": "thinking_delta", "thinking": part.text}, events)
-            elif isinstance(part, TextDelta):
+            elif isinstance(part, reply.TextDelta):
                 self._text(part.text, events)
-            elif isinstance(part, ToolCallStarted):
-                self._call = [part.call_id, part.name, ""]
-            elif isinstance(part, ToolCallArguments):
-                self._call[2] += part.delta
-            elif isinstance(part, ToolCallEnded):
-                self._tool_use(*self._call, events)
-            elif isinstance(part, Finish):
+            elif isinstance(part, reply.ToolCallDelta):
+                self._call = self._call if part.call_id is None else [part.call_id,
+                                                                     part.name or "", ""]  # fmt: skip
+                self._call[2] += part.arguments
+                if part.done:
+                    self._tool_use(*self._call, events)
+            elif isinstance(part, reply.Finish):
                 self._close(events)
         return events
 

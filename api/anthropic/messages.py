@@ -38,7 +38,7 @@ from prefixserve.api.anthropic.protocol import (
 )
 from prefixserve.api.frontend.inputs import EngineInputs, TemplateServing
 from prefixserve.api.frontend.protocol import ToolRequest, random_id
-from prefixserve.api.frontend.stream import DeltaTracker, drive
+from prefixserve.api.frontend.stream import DeltaTracker, drive, event_stream
 from prefixserve.api.frontend.structured_outputs import structured_outputs_of
 from prefixserve.api.frontend.tenancy import tenant_of
 from prefixserve.api.frontend.thinking_budget import BudgetedStream
@@ -135,7 +135,7 @@ class MessagesServing(TemplateServing):
                                       thinking["budget_tokens"], self.reasoning_parser or "qwen3",
                                       inputs.prompt_tail, self.request_timeout)]  # fmt: skip
         if req.stream:
-            return self._stream(message_id, model, streams, inputs)
+            return event_stream(self._stream(message_id, model, streams, inputs))
         final = (await self.collect(raw_request, streams))[0]
         c = final.outputs[0]
         blocks = BlockEvents(self.reply_parser(inputs))

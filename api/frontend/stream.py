@@ -23,6 +23,8 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from fastapi.responses import StreamingResponse
+
 from prefixserve.api.async_engine import RequestStream
 from prefixserve.api.frontend.protocol import APIError
 from prefixserve.outputs import CompletionOutput, RequestOutput
@@ -31,6 +33,13 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 IDLE = -1
 """The position ``events`` gets (with no output) after a period of silence."""
+
+
+def event_stream(events: AsyncIterator[str], headers: dict[str, str] | None = None
+                 ) -> StreamingResponse:  # fmt: skip
+    """Server-sent events as the HTTP response."""
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", **(headers or {})})  # fmt: skip
 
 
 def as_api_error(exc: Exception) -> APIError:

@@ -19,7 +19,7 @@ from fastapi import Request
 
 from prefixserve.api.frontend.inputs import EngineInputs, TemplateServing
 from prefixserve.api.frontend.protocol import APIError, random_id
-from prefixserve.api.frontend.stream import DeltaTracker
+from prefixserve.api.frontend.stream import DeltaTracker, event_stream
 from prefixserve.api.frontend.structured_outputs import structured_outputs_of
 from prefixserve.api.frontend.tenancy import tenant_of
 from prefixserve.api.openai.chunks import chunk_stream, usage_of
@@ -39,8 +39,7 @@ from prefixserve.api.parsing.reply import (
     Part,
     ReasoningDelta,
     TextDelta,
-    ToolCallArguments,
-    ToolCallStarted,
+    ToolCallDelta,
     ToolMode,
     fold,
 )
@@ -75,7 +74,7 @@ class ChatServing(TemplateServing):
         streams = await self.add_all(request_id, [prompt], [inputs.params], "messages",
                                      inputs.grammar_source)  # fmt: skip
         if req.stream:
-            return self._stream(req, request_id, model, streams, inputs)
+            return event_stream(self._stream(req, request_id, model, streams, inputs))
         final = (await self.collect(raw_request, streams))[0]
         choices = [self._choice(req, c, inputs) for c in final.outputs]
         usage = usage_of([final])
@@ -230,13 +229,14 @@ def _message_deltas(parts: list[Part], echo: str) -> list[dict]:
                 deltas[-1] = {"content": deltas[-1]["content"] + part.text}
             else:
                 deltas.append({"content": part.text})
-        elif isinstance(part, ToolCallStarted):
-            deltas.append({"tool_calls": [{"index": part.index, "id": part.call_id,
-                           "type": "function", "function": {"name": part.name,
-                                                            "arguments": ""}}]})  # fmt: skip
-        elif isinstance(part, ToolCallArguments):
-            deltas.append({"tool_calls": [{"index": part.index,
-                                           "function": {"arguments": part.delta}}]})  # fmt: skip
+        elif isinstance(part, ToolCallDelta):
+            if part.call_id is not None:
+                deltas.append({"tool_calls": [{"index": part.index, "id": part.call_id,
+                               "type": "function", "function": {"name": part.name,
+                                                                "arguments": ""}}]})  # fmt: skip
+            if part.arguments:
+                deltas.append({"tool_calls": [{"index": part.index,
+                                               "function": {"arguments": part.arguments}}]})  # fmt: skip
     if echo:
         first = next((k for k, d in enumerate(deltas) if "content" in d), None)
         if first is None:

@@ -15,7 +15,7 @@ from fastapi import Request
 
 from prefixserve.api.frontend.protocol import APIError, random_id
 from prefixserve.api.frontend.serving import BaseServing
-from prefixserve.api.frontend.stream import DeltaTracker
+from prefixserve.api.frontend.stream import DeltaTracker, event_stream
 from prefixserve.api.frontend.structured_outputs import structured_outputs_of
 from prefixserve.api.frontend.tenancy import tenant_of
 from prefixserve.api.openai.chunks import chunk_stream, usage_of
@@ -38,7 +38,7 @@ class CompletionServing(BaseServing):
         request_id = random_id("cmpl-")
         streams = await self.add_all(request_id, prompts, params, "prompt", source)
         if req.stream:
-            return self._stream(req, request_id, model, streams)
+            return event_stream(self._stream(req, request_id, model, streams))
         finals = await self.collect(raw_request, streams)
         choices = [self._choice(req, p * req.n, final, c) for p, final in enumerate(finals)
                    for c in final.outputs]  # fmt: skip

@@ -185,12 +185,17 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
-class ChatChoice(BaseModel):
+class _Choice(BaseModel):
+    """What a choice of any completion carries: where it stands, its logprobs, why it ended."""
+
     index: int
-    message: ChatMessage
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+class ChatChoice(_Choice):
+    message: ChatMessage
     token_ids: list[int] | None = None  # return_token_ids
 
 
@@ -212,12 +217,8 @@ class ChatCompletionResponse(_CompletionResponseFields[ChatChoice]):
     prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
-class CompletionChoice(BaseModel):
-    index: int
+class CompletionChoice(_Choice):
     text: str
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
     prompt_logprobs: list[dict[str, Any] | None] | None = None
     prompt_token_ids: list[int] | None = None  # return_token_ids
     token_ids: list[int] | None = None

@@ -5,9 +5,8 @@ completes, in order; the last feed passes ``finish`` and ends with a ``Finish`` 
 
     ReasoningDelta(text)                     the reasoning block (``--reasoning-parser``), first
     TextDelta(text)                          content
-    ToolCallStarted(index, call_id, name)    a call; then its arguments as
-    ToolCallArguments(index, delta)          deltas that concatenate to its arguments text;
-    ToolCallEnded(index)                     then its end
+    ToolCallDelta(index, arguments,          a call: its id and name first, argument deltas that
+                  call_id, name, done)       concatenate to its arguments text, done at its end
     Finish(reason, stop_reason, called, reasoned)
 
 Which text is what: the reasoning parser splits the reasoning off first; the rest is read by the
@@ -21,7 +20,8 @@ whitespace-only content is held until more content follows (sent with it) or a c
 Invariant (``tests/test_reply_parser.py``, a property test over every syntax): for any split of a
 reply's text into deltas, ``fold`` of the parts equals ``fold`` of one feed of the whole text.
 A non-streamed reply is exactly that one feed, so each protocol's streamed and whole replies are
-built from the same parts. Calls come whole once complete (started, one arguments delta, ended).
+built from the same parts. Calls come whole once complete (one delta: id, name, all arguments,
+done).
 """
 
 from __future__ import annotations
@@ -67,21 +67,15 @@ class TextDelta:
 
 
 @dataclass(frozen=True, slots=True)
-class ToolCallStarted:
+class ToolCallDelta:
+    """The next piece of call ``index``: its ``call_id`` and ``name`` on its first delta (None
+    on later ones), more of its ``arguments`` text, and ``done`` on its last."""
+
     index: int
-    call_id: str
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCallArguments:
-    index: int
-    delta: str
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCallEnded:
-    index: int
+    arguments: str
+    call_id: str | None = None
+    name: str | None = None
+    done: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,18 +89,13 @@ class Finish:
     reasoned: bool = False
 
 
-Part = ReasoningDelta | TextDelta | ToolCallStarted | ToolCallArguments | ToolCallEnded | Finish
+Part = ReasoningDelta | TextDelta | ToolCallDelta | Finish
 
 
 class ReplyParser:
-    def __init__(
-        self,
-        mode: ToolMode,
-        tool_parser: str | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        reasoner: ThinkReasoningParser | None = None,
-        parallel: bool = True,
-    ) -> None:
+    def __init__(self, mode: ToolMode, tool_parser: str | None = None,
+                 tools: list[dict[str, Any]] | None = None,
+                 reasoner: ThinkReasoningParser | None = None, parallel: bool = True) -> None:  # fmt: skip
         self.mode = mode
         self.reasoner = reasoner
         self.parallel = parallel
@@ -156,8 +145,7 @@ class ReplyParser:
         if not self.parallel and self._num_calls > 1:
             return []
         index, self._kept = self._kept, self._kept + 1
-        return [ToolCallStarted(index, call.id, call.name),
-                ToolCallArguments(index, call.arguments), ToolCallEnded(index)]  # fmt: skip
+        return [ToolCallDelta(index, call.arguments, call.id, call.name, done=True)]
 
 
 @dataclass
@@ -176,11 +164,12 @@ class Reply:
                 self.reasoning = (self.reasoning or "") + part.text
             elif isinstance(part, TextDelta):
                 self.text += part.text
-            elif isinstance(part, ToolCallStarted):
-                self.calls.append(ParsedCall(part.name, "", part.call_id))
-            elif isinstance(part, ToolCallArguments):
+            elif isinstance(part, ToolCallDelta) and part.call_id is not None:
+                self.calls.append(ParsedCall(part.name or "", part.arguments, part.call_id))
+            elif isinstance(part, ToolCallDelta):
                 call = self.calls[part.index]
-                self.calls[part.index] = ParsedCall(call.name, call.arguments + part.delta, call.id)
+                self.calls[part.index] = ParsedCall(call.name, call.arguments + part.arguments,
+                                                    call.id)  # fmt: skip
             elif isinstance(part, Finish):
                 self.finish = part
                 if part.reasoned and self.reasoning is None:

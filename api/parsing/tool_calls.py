@@ -37,6 +37,7 @@ import json
 import random
 import re
 import string
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,6 +143,21 @@ def _anywhere(text: str, marker: str, final: bool) -> tuple[int, bool]:
     return len(text), False
 
 
+def _tagged_calls(
+    section: str, start_tag: str, end_tag: str, read: Callable[[str, int], Any]
+) -> tuple[list[ParsedCall], str]:
+    """``calls_in`` for syntaxes that wrap each call in tags: ``read(section, body start)`` is
+    ``(call, index of its end tag)``, or None for a call that is not complete or does not parse."""
+    calls, pos = [], 0
+    while True:
+        start = _skip_space(section, pos)
+        found = read(section, start + len(start_tag)) if section.startswith(start_tag, start) else None
+        if found is None:
+            return calls, section[pos:]
+        calls.append(found[0])
+        pos = found[1] + len(end_tag)
+
+
 class HermesParser(ToolCallParser):
     START, END = "<tool_call>", "</tool_call>"
     _DECODER = json.JSONDecoder()
@@ -150,22 +166,18 @@ class HermesParser(ToolCallParser):
         return _anywhere(text, self.START, final)
 
     def calls_in(self, section: str, final: bool) -> tuple[list[ParsedCall], str]:
-        calls, pos = [], 0
-        while True:
-            start = _skip_space(section, pos)
-            if not section.startswith(self.START, start):
-                return calls, section[pos:]
-            body = _skip_space(section, start + len(self.START))
-            try:
-                obj, end = self._DECODER.raw_decode(section, body)
-            except ValueError:
-                return calls, section[pos:]
-            close = _skip_space(section, end)
-            call = self._call(section, body, obj)
-            if call is None or not section.startswith(self.END, close):
-                return calls, section[pos:]
-            calls.append(call)
-            pos = close + len(self.END)
+        return _tagged_calls(section, self.START, self.END, self._read)
+
+    def _read(self, section: str, body: int) -> tuple[ParsedCall, int] | None:
+        """The call whose JSON starts after ``body`` and the index of its closing tag."""
+        body = _skip_space(section, body)
+        try:
+            obj, end = self._DECODER.raw_decode(section, body)
+        except ValueError:
+            return None
+        close = _skip_space(section, end)
+        call = self._call(section, body, obj)
+        return None if call is None or not section.startswith(self.END, close) else (call, close)
 
     def _call(self, text: str, body: int, obj: Any) -> ParsedCall | None:
         """The call of the JSON ``obj`` written at ``text[body:]``. Written in the forced shape
@@ -299,17 +311,12 @@ class Qwen3CoderParser(ToolCallParser):
         return _anywhere(text, self.START, final)
 
     def calls_in(self, section: str, final: bool) -> tuple[list[ParsedCall], str]:
-        calls, pos = [], 0
-        while True:
-            start = _skip_space(section, pos)
-            if not section.startswith(self.START, start):
-                return calls, section[pos:]
-            end = section.find(self.END, start)
-            call = self._call(section[start + len(self.START) : end]) if end >= 0 else None
-            if call is None:
-                return calls, section[pos:]
-            calls.append(call)
-            pos = end + len(self.END)
+        return _tagged_calls(section, self.START, self.END, self._read)
+
+    def _read(self, section: str, body: int) -> tuple[ParsedCall, int] | None:
+        end = section.find(self.END, body)
+        call = self._call(section[body:end]) if end >= 0 else None
+        return None if call is None else (call, end)
 
     def _call(self, body: str) -> ParsedCall | None:
         match = self._FUNCTION.match(body)

@@ -32,16 +32,8 @@ import json
 from typing import Any
 
 from prefixserve.api.frontend.protocol import random_id
-from prefixserve.api.parsing.reply import (
-    Finish,
-    ReasoningDelta,
-    ReplyParser,
-    TextDelta,
-    ToolCallArguments,
-    ToolCallEnded,
-    ToolCallStarted,
-    ToolMode,
-)
+from prefixserve.api.parsing import reply
+from prefixserve.api.parsing.reply import ReplyParser
 
 
 class ResponseOutput:
@@ -80,35 +72,22 @@ class ResponseOutput:
         return items[0]["content"][0]["text"] if items else ""
 
     def feed(
-        self, text: str, logprobs: list[dict] | None = None, finish: Finish | None = None
+        self, text: str, logprobs: list[dict] | None = None, finish: reply.Finish | None = None
     ) -> list[dict]:
         """Events for the next ``text`` and its tokens' ``logprobs`` (``finish``: the last)."""
         parts = self.parser.feed(text, finish)
-        plain = self.parser.mode is ToolMode.NONE
+        plain = self.parser.mode is reply.ToolMode.NONE
         events: list[dict] = []
         for part in parts:
-            if isinstance(part, ReasoningDelta):
+            if isinstance(part, reply.ReasoningDelta):
                 events += self._reasoning_text(part.text)
-            elif isinstance(part, TextDelta):
+            elif isinstance(part, reply.TextDelta):
                 events += self._close_reasoning("completed")
                 events += self._text(part.text, logprobs if plain else None)
                 logprobs = None
-            elif isinstance(part, ToolCallStarted):
-                events += self._close_reasoning("completed") + self._close_message("completed")
-                if part.name in self.custom:
-                    self._custom = [part.call_id, part.name, ""]
-                else:
-                    events += self._add_call(part.name, part.call_id)
-            elif isinstance(part, ToolCallArguments) and self._custom:
-                self._custom[2] += part.delta
-            elif isinstance(part, ToolCallArguments):
-                events += self._call_arguments(part.delta)
-            elif isinstance(part, ToolCallEnded) and self._custom:
-                events += self._custom_call(*self._custom)
-                self._custom = []
-            elif isinstance(part, ToolCallEnded):
-                events += self._close_call("completed")
-            elif isinstance(part, Finish):
+            elif isinstance(part, reply.ToolCallDelta):
+                events += self._call_delta(part)
+            elif isinstance(part, reply.Finish):
                 self._reasoned = part.reasoned
         if plain and logprobs and self.parser.reasoner is None:
             events += self._text("", logprobs)  # tokens whose text is still held back
@@ -137,14 +116,7 @@ class ResponseOutput:
 
     def _close_reasoning(self, status: str) -> list[dict]:
         item, self._thinking = self._thinking, None
-        if item is None:
-            return []
-        part, at = item["content"][0], self._at(item)
-        item["status"] = status
-        done = {"type": "response.reasoning_text.done", **at, "content_index": 0,
-                "text": part["text"]}  # fmt: skip
-        return [done, {"type": "response.content_part.done", **at, "content_index": 0,
-                       "part": dict(part)}, self._done(item)]  # fmt: skip
+        return self._close_text_item(item, status)
 
     def _text(self, text: str, logprobs: list[dict] | None) -> list[dict]:
         events: list[dict] = []
@@ -168,14 +140,20 @@ class ResponseOutput:
 
     def _close_message(self, status: str) -> list[dict]:
         item, self._message = self._message, None
+        return self._close_text_item(item, status)
+
+    def _close_text_item(self, item: dict[str, Any] | None, status: str) -> list[dict]:
+        """A reasoning or message item's end: its text's done, its part's done, its own done."""
         if item is None:
             return []
         part, at = item["content"][0], self._at(item)
         item["status"] = status
-        done = {"type": "response.output_text.done", **at, "content_index": 0, "text": part["text"],
-                "logprobs": part.get("logprobs", [])}  # fmt: skip
+        done = {"type": f"response.{part['type']}.done", **at, "content_index": 0,
+                "text": part["text"]}  # fmt: skip
+        if part["type"] == "output_text":
+            done["logprobs"] = part.get("logprobs", [])
         return [done, {"type": "response.content_part.done", **at, "content_index": 0,
-                       "part": part}, self._done(item)]  # fmt: skip
+                       "part": dict(part)}, self._done(item)]  # fmt: skip
 
     def _add_call(self, name: str, call_id: str) -> list[dict]:
         self._call = {"id": random_id("fc_"), "type": "function_call", "status": "in_progress",
@@ -197,6 +175,27 @@ class ResponseOutput:
         done = {"type": "response.function_call_arguments.done", **self._at(item),
                 "name": item["name"], "arguments": item["arguments"]}  # fmt: skip
         return [done, self._done(item)]
+
+    def _call_delta(self, part: reply.ToolCallDelta) -> list[dict]:
+        """A function call's item and its arguments deltas; a custom tool's call whole at its
+        end (its input is read from its arguments)."""
+        events: list[dict] = []
+        if part.call_id is not None:
+            events += self._close_reasoning("completed") + self._close_message("completed")
+            if part.name in self.custom:
+                self._custom = [part.call_id, part.name or "", ""]
+            else:
+                events += self._add_call(part.name or "", part.call_id)
+        if self._custom:
+            self._custom[2] += part.arguments
+        elif part.arguments:
+            events += self._call_arguments(part.arguments)
+        if part.done and self._custom:
+            events += self._custom_call(*self._custom)
+            self._custom = []
+        elif part.done:
+            events += self._close_call("completed")
+        return events
 
     def _custom_call(self, call_id: str, name: str, arguments: str) -> list[dict]:
         """A custom tool's call, whole: its input is the ``input`` of the call's arguments."""

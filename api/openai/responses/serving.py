@@ -22,11 +22,12 @@ from array import array
 from collections import Counter
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from prefixserve.api.async_engine import RequestStream
 from prefixserve.api.frontend.inputs import TemplateServing, ToolRequest
 from prefixserve.api.frontend.protocol import APIError, random_id
+from prefixserve.api.frontend.stream import event_stream
 from prefixserve.api.frontend.tenancy import Tenant, tenant_of
 from prefixserve.api.openai.protocol import _SamplingFields
 from prefixserve.api.openai.responses.continuation import (
@@ -144,8 +145,7 @@ class ResponsesServing(TemplateServing):
         """The response (a JSON body or an event stream), with ``_notices`` as headers."""
         turn, streams = await self.start(req, tenant_of(raw_request))
         if req.stream:
-            return StreamingResponse(turn.sse(streams), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", **turn.headers})  # fmt: skip
+            return event_stream(turn.sse(streams), turn.headers)
         final = (await self.collect(raw_request, streams))[0]
         c = final.outputs[0]
         output = turn.output()

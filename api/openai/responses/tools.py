@@ -61,12 +61,9 @@ def chat_tools(tools: list[dict[str, Any]] | None, hosted: str = "accept") -> Re
         elif kind == "tool_search" or (kind in HOSTED and hosted == "accept"):
             out.not_offered.append(kind)
         elif kind in HOSTED:
-            raise APIError(
-                f"tools[{i}]: {kind!r} is a hosted tool that runs on OpenAI's side; nothing here "
-                "can run it (this server refuses hosted tools: --hosted-tools refuse)",
-                400,
-                "tools",
-            )
+            raise _refused(i, f"{kind!r} is a hosted tool that runs on OpenAI's side; nothing "
+                              "here can run it (this server refuses hosted tools: --hosted-tools "
+                              "refuse)")  # fmt: skip
         else:
             functions.append(_function(i, tool))
             strict |= _strict(tool)
@@ -83,17 +80,17 @@ def _strict(tool: dict[str, Any]) -> set[str]:
     return {tool["name"]} if tool.get("strict") is not False else set()
 
 
+def _refused(i: int, why: str) -> APIError:
+    return APIError(f"tools[{i}]: {why}", 400, "tools")
+
+
 def _function(i: int, tool: Any) -> dict[str, Any]:
-    kind = tool.get("type") if isinstance(tool, dict) else None
-    if kind != "function":
-        raise APIError(
-            f"tools[{i}]: tool type {kind!r} is not supported: use function, custom, namespace "
-            "or tool_search tools (hosted ones are not offered)",
-            400,
-            "tools",
-        )
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        raise _refused(i, f"tool type {kind!r} is not supported: use function, custom, namespace "
+                          "or tool_search tools (hosted ones are not offered)")  # fmt: skip
     if not isinstance(tool.get("name"), str) or not tool["name"]:
-        raise APIError(f"tools[{i}]: a function tool needs a 'name'", 400, "tools")
+        raise _refused(i, "a function tool needs a 'name'")
     function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k)}
     return {"type": "function", "function": function}
 
@@ -101,13 +98,13 @@ def _function(i: int, tool: Any) -> dict[str, Any]:
 def _custom(i: int, tool: dict[str, Any]) -> dict[str, Any]:
     """A custom tool as a function of one string parameter ``input``."""
     if not isinstance(tool.get("name"), str) or not tool["name"]:
-        raise APIError(f"tools[{i}]: a custom tool needs a 'name'", 400, "tools")
+        raise _refused(i, "a custom tool needs a 'name'")
     fmt = tool.get("format") or {"type": "text"}
     about = "The tool's free-form input."
     if fmt.get("type") == "grammar":
         about += f" It matches this {fmt.get('syntax', 'lark')} grammar:\n{fmt.get('definition')}"
     elif fmt.get("type") != "text":
-        raise APIError(f"tools[{i}]: a custom tool's format is text or a grammar", 400, "tools")
+        raise _refused(i, "a custom tool's format is text or a grammar")
     parameters = {"type": "object", "properties": {"input": {"type": "string",
                   "description": about}}, "required": ["input"]}  # fmt: skip
     function = {"name": tool["name"], "parameters": parameters}
