@@ -147,3 +147,25 @@ def test_a_persisted_record_writes_its_ancestors(tmp_path):
 def test_limits_must_be_positive(name):
     with pytest.raises(InvalidArgumentError, match=name):
         ResponseStore(**{name: -1})
+
+
+def test_a_continuation_after_a_restart_renders_again_over_http(tmp_path):
+    """Issue 30: nothing survived a restart; every previous_response_id became a 404."""
+    import httpx
+    from servers import MODEL, server_process
+
+    path = str(tmp_path / "responses.sqlite3")
+    body = {"model": MODEL, "max_output_tokens": 3, "temperature": 0}
+    with server_process("--responses-store-path", path) as (_, base):
+        first = httpx.post(f"{base}/v1/responses", json={**body, "input": "hi"}, timeout=60).json()
+        ephemeral = httpx.post(f"{base}/v1/responses", timeout=60,
+                               json={**body, "input": "no", "store": False}).json()  # fmt: skip
+    with server_process("--responses-store-path", path) as (_, base):
+        assert httpx.get(f"{base}/v1/responses/{first['id']}").json()["output"] == first["output"]
+        assert httpx.get(f"{base}/v1/responses/{ephemeral['id']}").status_code == 404
+        r = httpx.post(f"{base}/v1/responses", timeout=60, json={
+            **body, "input": "and then?", "previous_response_id": first["id"]})  # fmt: skip
+        assert r.status_code == 200, r.text
+        items = httpx.get(f"{base}/v1/responses/{r.json()['id']}/input_items?order=asc").json()
+        assert [i.get("content") for i in items["data"]][-1][0]["text"] == "and then?"
+        assert len(items["data"]) == 3  # hi, the first output, and then?

@@ -13,6 +13,7 @@ from scripted_engine import ScriptedEngine, scripted_client
 from prefixserve.api.frontend.protocol import APIError
 from prefixserve.api.openai.responses.items import normalize_input, to_messages
 from prefixserve.api.openai.responses.tools import chat_tools
+from prefixserve.structured_outputs.json_grammar import EBNF_KEY
 
 PATCH = {"type": "custom", "name": "apply_patch", "description": "Edit files.",
          "format": {"type": "grammar", "syntax": "lark",
@@ -29,7 +30,11 @@ def test_functions_namespaces_and_what_is_not_offered():
     assert [t["function"]["name"] for t in tools.functions] == ["exec_command", "apply_patch",
                                                                 "spawn"]  # fmt: skip
     assert tools.namespaces == {"spawn": "mcp"} and tools.custom == {"apply_patch"}
-    assert tools.strict == {"spawn"} and tools.not_offered == ["tool_search", "web_search"]
+    assert tools.strict == {"spawn", "apply_patch"}  # a custom tool's grammar constrains it
+    assert tools.not_offered == ["tool_search", "web_search"]
+    grammar = {t["function"]["name"]: t["function"].get("parameters", {})
+               for t in tools.grammar_functions}
+    assert EBNF_KEY in grammar["apply_patch"] and EBNF_KEY not in grammar["exec_command"]
     (patch,) = [t["function"] for t in tools.functions if t["function"]["name"] == "apply_patch"]
     assert patch["parameters"]["required"] == ["input"]
     assert "*** Begin Patch" in patch["parameters"]["properties"]["input"]["description"]
@@ -115,3 +120,32 @@ def test_reasoning_effort_switches_thinking_where_the_template_can():
             assert r.status_code == 200 and "x-prefixserve-ignored" not in r.headers
     off, on = (engine.tokenizer.decode(ids) for ids, _ in engine.requests)
     assert off.endswith("</think>") and not on.endswith("</think>")
+
+
+def test_a_custom_tools_lark_grammar_constrains_its_calls():
+    """Codex's apply_patch grammar, through xgrammar's Lark reader, JSON-escaped: a forced call's
+    input must be a patch (``custom_grammar``)."""
+    from prefixserve.structured_outputs.manager import StructuredOutputManager
+
+    lark = ('start: "*** Begin Patch" LF hunk+ "*** End Patch" LF?\n'
+            'hunk: "*** Add File: " /(.+)/ LF ("+" /(.*)/ LF)+\n%import common.LF\n')  # fmt: skip
+    patch = {**PATCH, "format": {"type": "grammar", "syntax": "lark", "definition": lark}}
+    engine = ScriptedEngine(replies=[[CALL]])
+    with scripted_client(engine, tool_call_parser="hermes") as client:
+        r = client.post("/v1/responses", json={"model": "m", "input": "patch it", "tools": [patch],
+                        "tool_choice": {"type": "custom", "name": "apply_patch"}})  # fmt: skip
+        assert r.status_code == 200, r.text
+    tok = engine.tokenizer
+    manager = StructuredOutputManager(tok, len(tok), [tok.eos_token_id])
+    params = engine.requests[0][1].structured_outputs
+
+    def accepts(value: str) -> bool:
+        grammar = manager.new_grammar(manager.submit(params).result())
+        arguments = json.dumps({"input": value}, ensure_ascii=False)
+        call = f'<tool_call>\n{{"name": "apply_patch", "arguments": {arguments}}}\n</tool_call>'
+        return grammar.matcher.accept_string(call) and grammar.matcher.is_completed()
+
+    assert accepts('*** Begin Patch\n*** Add File: a "b".py\n+print("\\\\")\n*** End Patch\n')
+    assert not accepts("rm -rf /\n")
+    assert not accepts("*** Begin Patch\n*** Add File: a\nno plus\n*** End Patch\n")
+    manager.shutdown()

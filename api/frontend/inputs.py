@@ -148,8 +148,8 @@ class TemplateServing(BaseServing):
             elif grammar is None and mode is ToolMode.AUTO and tools.strict and (
                 self.tool_parser == "hermes"
             ):
-                grammar = optional_tool_call_params(tools.tools or [], set(tools.strict),
-                                                    tools.parallel)  # fmt: skip
+                grammar = optional_tool_call_params(tools.grammar_tools or tools.tools or [],
+                                                    set(tools.strict), tools.parallel)  # fmt: skip
                 source = "tools"
         except InvalidArgumentError as exc:
             raise APIError(str(exc), 400, exc.param) from exc

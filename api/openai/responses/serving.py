@@ -49,11 +49,11 @@ from prefixserve.api.openai.responses.protocol import (
     thinking_of,
 )
 from prefixserve.api.openai.responses.store import Record, ResponseStore, StoredResponse
-from prefixserve.api.openai.responses.tools import ResponsesTools, chat_tools
+from prefixserve.api.openai.responses.tools import JSON_ARGUMENTS, ResponsesTools, chat_tools
 from prefixserve.api.openai.responses.truncation import truncate
 from prefixserve.api.openai.responses.turn import LOGPROBS, ResponseTurn
 from prefixserve.api.parsing.reasoning import THINK_END, THINK_START, starts_in_reasoning
-from prefixserve.api.parsing.reply import Finish
+from prefixserve.api.parsing.reply import Finish, forced_syntax
 from prefixserve.chat_template import render_chat_text
 from prefixserve.errors import InvalidArgumentError
 from prefixserve.structured_outputs.params import StructuredOutputsParams
@@ -173,7 +173,8 @@ class ResponsesServing(TemplateServing):
                                "previous_response_id", connection)  # fmt: skip
         new_items = normalize_input(req.input)
         history = prev.items + prev.output_items if prev else []
-        offered = chat_tools(req.tools, self.hosted_tools)
+        offered = chat_tools(req.tools, self.hosted_tools,
+                             forced_syntax(self.tool_parser) in JSON_ARGUMENTS)  # fmt: skip
         tools = self._tool_request(req, offered)
         self.tool_mode(tools)  # a bad tool choice is a 400 before anything is rendered
         prompt, items = await asyncio.to_thread(self._fitted_prompt, req, prev,
@@ -222,9 +223,10 @@ class ResponsesServing(TemplateServing):
     def _tool_request(req: ResponsesRequest, offered: ResponsesTools) -> ToolRequest:
         choice = req.tool_choice
         named = isinstance(choice, dict)
-        if named and (choice.get("type") != "function" or not isinstance(choice.get("name"), str)):
+        if named and (choice.get("type") not in ("function", "custom")
+                      or not isinstance(choice.get("name"), str)):  # fmt: skip
             raise APIError(
-                'tool_choice: the supported object is {"type": "function", "name": ...}',
+                'tool_choice: the supported object is {"type": "function" | "custom", "name": ...}',
                 400,
                 "tool_choice",
             )
@@ -239,7 +241,8 @@ class ResponsesServing(TemplateServing):
         if not offered.functions and kind == "auto":
             kind = "none"
         return ToolRequest(offered.functions, kind, choice["name"] if named else None,
-                           req.parallel_tool_calls, offered.strict)  # fmt: skip
+                           req.parallel_tool_calls, offered.strict,
+                           offered.grammar_functions)  # fmt: skip
 
     def _fitted_prompt(self, req: ResponsesRequest, prev: StoredResponse | None,
                        items: list[dict], tools: list[dict] | None) -> tuple[Prompt, list[dict]]:  # fmt: skip

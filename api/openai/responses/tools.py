@@ -13,9 +13,10 @@
     computer_use, mcp)
     anything else                a 400 naming the type
 
-A function name given twice is a 400. A custom tool's grammar constrains its input only as far as
-the template's call syntax allows: the input travels as a JSON string, and the grammar is shown
-to the model in the parameter's description (README: "Responses API").
+A function name given twice is a 400. A custom tool's Lark grammar (xgrammar reads Lark) constrains
+its input wherever a grammar writes its calls, in a syntax whose arguments are JSON (hermes,
+llama3_json, mistral): forced calls, and ``auto`` calls with hermes (``custom_grammar``); the
+grammar is also shown to the model in the parameter's description.
 """
 
 from __future__ import annotations
@@ -24,10 +25,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixserve.api.frontend.protocol import APIError
+from prefixserve.api.openai.responses.custom_grammar import arguments_ebnf
+from prefixserve.errors import InvalidArgumentError
+from prefixserve.structured_outputs.json_grammar import EBNF_KEY
 
 HOSTED = ("web_search", "web_search_preview", "web_search_2025_08_26", "file_search",
           "code_interpreter", "image_generation", "computer_use", "computer_use_preview", "mcp")  # fmt: skip
 HOSTED_POLICIES = ("accept", "refuse")
+JSON_ARGUMENTS = ("hermes", "llama3_json", "mistral")  # syntaxes that write arguments as JSON
 
 
 @dataclass(slots=True)
@@ -41,13 +46,16 @@ class ResponsesTools:
     custom: frozenset[str] = frozenset()
     strict: frozenset[str] = frozenset()
     not_offered: list[str] = field(default_factory=list)
+    grammar_functions: list[dict[str, Any]] | None = None
 
 
-def chat_tools(tools: list[dict[str, Any]] | None, hosted: str = "accept") -> ResponsesTools:
-    """The template's view of Responses ``tools`` (see the module doc)."""
+def chat_tools(tools: list[dict[str, Any]] | None, hosted: str = "accept",
+               grammars: bool = True) -> ResponsesTools:  # fmt: skip
+    """The template's view of Responses ``tools`` (see the module doc); ``grammars``: custom
+    tools' grammars may constrain their calls (the call syntax writes arguments as JSON)."""
     out = ResponsesTools()
     functions: list[dict] = []
-    custom, strict = set(), set()
+    custom, strict, ebnf = set(), set(), {}
     for i, tool in enumerate(tools or []):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind == "namespace" and isinstance(tool.get("name"), str):
@@ -58,6 +66,9 @@ def chat_tools(tools: list[dict[str, Any]] | None, hosted: str = "accept") -> Re
         elif kind == "custom":
             functions.append(_custom(i, tool))
             custom.add(tool["name"])
+            fmt = tool.get("format") or {}
+            if grammars and fmt.get("type") == "grammar":
+                ebnf[tool["name"]] = _arguments_ebnf(i, fmt)
         elif kind == "tool_search" or (kind in HOSTED and hosted == "accept"):
             out.not_offered.append(kind)
         elif kind in HOSTED:
@@ -72,8 +83,28 @@ def chat_tools(tools: list[dict[str, Any]] | None, hosted: str = "accept") -> Re
         if names.count(name) > 1:
             raise APIError(f"tools: the function name {name!r} is given twice", 400, "tools")
     out.functions = functions or None
-    out.custom, out.strict = frozenset(custom), frozenset(strict)
+    out.custom, out.strict = frozenset(custom), frozenset(strict | set(ebnf))
+    if ebnf:
+        out.grammar_functions = [_with_grammar(f, ebnf.get(f["function"]["name"]))
+                                 for f in functions]  # fmt: skip
     return out
+
+
+def _arguments_ebnf(i: int, fmt: dict[str, Any]) -> str:
+    syntax, definition = fmt.get("syntax", "lark"), fmt.get("definition")
+    if syntax not in ("lark", "regex") or not isinstance(definition, str):
+        raise _refused(i, "a custom tool's grammar is {'syntax': 'lark' | 'regex', 'definition'}")
+    try:
+        return arguments_ebnf(definition, syntax)
+    except InvalidArgumentError as exc:
+        raise _refused(i, str(exc)) from exc
+
+
+def _with_grammar(function: dict[str, Any], ebnf: str | None) -> dict[str, Any]:
+    if ebnf is None:
+        return function
+    parameters = {**function["function"]["parameters"], EBNF_KEY: ebnf}
+    return {"type": "function", "function": {**function["function"], "parameters": parameters}}
 
 
 def _strict(tool: dict[str, Any]) -> set[str]:
