@@ -1,6 +1,6 @@
 """KV memory waste (internal fragmentation) of the paged cache under ShareGPT-like lengths.
 
-    python benchmarks/kv_waste.py [--num-requests 16] [--quick]
+    python benchmarks/kv_memory waste [--num-requests 16] [--quick]
 
 Workload: a batch of ``--num-requests`` requests arriving together, lengths drawn from the
 ShareGPT-like distribution of ``benchmarks/workloads.py`` (random token ids, n=1, temperature 1.0,
@@ -31,7 +31,6 @@ Writes benchmarks/results/kv_waste.json and .png (or under ``--out-dir``).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -44,7 +43,7 @@ import torch
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from workloads import MAX_MODEL_LEN, SHAREGPT, build_requests, parse_run_options
+from workloads import MAX_MODEL_LEN, SHAREGPT, build_requests, parse_run_options, write_report
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.engine import LLMEngine
@@ -182,7 +181,6 @@ def main(argv: list[str] | None = None) -> list[WasteRow]:
     rows.append(summarize("contiguous, reserve prompt + max_tokens", base,
                           lambda s: s.reserved_max_tokens))  # fmt: skip
     print(format_table(rows))
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     report = {
         "workload": {
             "distribution": asdict(SHAREGPT),
@@ -201,7 +199,7 @@ def main(argv: list[str] | None = None) -> list[WasteRow]:
         "peak_used_blocks": {str(bs): max(s.used_blocks for s in st) for bs, st in runs.items()},
         "seconds": elapsed,
     }
-    (args.out_dir / "kv_waste.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out_dir, "kv_waste", report)
     plot(rows, args.out_dir / "kv_waste.png")
     paged16 = rows[BLOCK_SIZES.index(BASELINE_BLOCK_SIZE)]
     verdict = "meets" if paged16.avg_waste_pct < TARGET_WASTE_PCT else "misses"

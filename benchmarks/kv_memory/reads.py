@@ -1,6 +1,6 @@
 """K/V bytes one decode step reads, with and without cascade attention (analytic; CPU, no kernels).
 
-    python benchmarks/kv_bytes.py [--quick] [--block-size 16] [--suffix 128]
+    python benchmarks/kv_memory reads [--quick] [--block-size 16] [--suffix 128]
 
 Workload: N sequences (16, 64, 256) that share one S-token prefix (1k, 8k, 32k tokens) and each
 hold a 128-token suffix of their own (the token being decoded included), all decoding one token.
@@ -28,12 +28,11 @@ Writes benchmarks/results/kv_bytes.json (or under ``--out-dir``).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from workloads import RESULTS_DIR
+from workloads import RESULTS_DIR, write_report
 
 from prefixserve.attention.metadata import SeqSpan, build_attention_metadata
 from prefixserve.attention.triton_backend import cascade_decode_groups
@@ -154,7 +153,6 @@ def main(argv: list[str] | None = None) -> list[StepBytes]:
         f"bf16 (Qwen3-0.6B), block_size {args.block_size}"
     )
     print(format_table(rows))
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     report = {
         "workload": {
             "seqs": list(seqs),
@@ -171,7 +169,7 @@ def main(argv: list[str] | None = None) -> list[StepBytes]:
         "rows": [asdict(r) for r in rows],
         "seconds": elapsed,
     }
-    (args.out_dir / "kv_bytes.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out_dir, "kv_bytes", report)
     best = max(rows, key=lambda r: r.ratio)
     print(
         f"cascade reads {best.ratio:.1f}x fewer K/V bytes at {best.num_seqs} sequences x "

@@ -1,6 +1,6 @@
 """KV memory saved by forking: parallel sampling and beam search on copy-on-write blocks.
 
-    python benchmarks/sharing_savings.py [--num-requests 16] [--beam-max-tokens 256] [--quick]
+    python benchmarks/kv_memory sharing [--num-requests 16] [--beam-max-tokens 256] [--quick]
 
 Workload: a batch of ``--num-requests`` requests arriving together, lengths drawn from the
 ShareGPT-like and the Alpaca-like distributions of ``benchmarks/workloads.py`` (random token ids,
@@ -30,7 +30,6 @@ Writes benchmarks/results/sharing_savings.json and .png (or under ``--out-dir``)
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -43,7 +42,7 @@ import torch
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from workloads import DISTRIBUTIONS, MAX_MODEL_LEN, build_requests, parse_run_options
+from workloads import DISTRIBUTIONS, MAX_MODEL_LEN, build_requests, parse_run_options, write_report
 
 from prefixserve import LLM, BeamSearchParams, SamplingParams
 from prefixserve.engine import LLMEngine
@@ -244,7 +243,6 @@ def main(argv: list[str] | None = None) -> list[SettingResult]:
                 results.append(r)
     elapsed = time.perf_counter() - start
     print(format_table(results))
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     report = {
         "workload": {
             "num_requests": num_requests,
@@ -266,7 +264,7 @@ def main(argv: list[str] | None = None) -> list[SettingResult]:
         "results": [asdict(r) for r in results],
         "seconds": elapsed,
     }
-    (args.out_dir / "sharing_savings.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out_dir, "sharing_savings", report)
     plot(results, args.out_dir / "sharing_savings.png")
     print(summary(results) + f" [{elapsed:.0f} s]")
     return results
