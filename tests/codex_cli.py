@@ -104,9 +104,7 @@ def run_codex(binary: Path, home: Path, workdir: Path, prompt: str) -> subproces
 @contextmanager
 def steering_proxy(upstream: str, command: str | None) -> Iterator[tuple[str, list[dict]]]:
     """An HTTP proxy to ``upstream`` that records each POST body as Codex sent it and steers it
-    (``_steer``, unless ``command`` is None): on a turn without a tool result yet the model must
-    call Codex's ``exec_command`` with ``cmd`` = ``command`` (a random-weight model would never
-    choose it). Yields (its /v1 URL, the recorded bodies)."""
+    (``_steer``). Yields (its /v1 URL, the recorded bodies)."""
     recorded: list[dict] = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -115,8 +113,7 @@ def steering_proxy(upstream: str, command: str | None) -> Iterator[tuple[str, li
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["content-length"])))
             recorded.append(json.loads(json.dumps(body)))
-            if command is not None:
-                _steer(body, command)
+            _steer(body, command)
             headers = {"authorization": self.headers.get("authorization", "")}
             with httpx.stream("POST", upstream + self.path, json=body, headers=headers,
                               timeout=300) as reply:  # fmt: skip
@@ -158,8 +155,7 @@ def steering_websocket_proxy(upstream: str, command: str | None) -> Iterator[tup
                 async for frame in client:
                     recorded.append(json.loads(frame))
                     body = json.loads(frame)
-                    if command is not None:
-                        _steer(body, command)
+                    _steer(body, command)
                     await server.send(json.dumps(body))
 
             async def down() -> None:
@@ -193,10 +189,16 @@ def steering_websocket_proxy(upstream: str, command: str | None) -> Iterator[tup
         loop.close()
 
 
-def _steer(body: dict, command: str) -> None:
-    """Narrow ``exec_command``'s ``cmd`` to ``command`` in every request (so the tools, and the
-    rendered prompt, stay the same all session), and force a call of it on a turn that has no
-    tool result yet (not on a ``generate: false`` warm-up)."""
+def _steer(body: dict, command: str | None) -> None:
+    """With a ``command``: narrow ``exec_command``'s ``cmd`` to it in every request (so the
+    tools, and the rendered prompt, stay the same all session), and force a call of it on a turn
+    that has no tool result yet (not on a ``generate: false`` warm-up): a random-weight model
+    would never choose it. Without one: the model calls nothing (``tool_choice: "none"``; the
+    tools are still in the prompt), since a random model that starts a call under a strict
+    tool's grammar (Codex's apply_patch) may not finish it within the context."""
+    if command is None:
+        body["tool_choice"] = "none"
+        return
     for tool in body.get("tools") or []:
         if tool.get("name") == "exec_command":
             tool["parameters"] = {"type": "object", "required": ["cmd"],
