@@ -33,8 +33,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from prefixserve.api.protocol import APIError
-
+from prefixserve.api.frontend.protocol import APIError
 from prefixserve.engine import EngineStats, LLMEngine
 from prefixserve.errors import StepFailedError
 from prefixserve.outputs import RequestOutput

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
+
 from prefixserve.api.async_engine import AsyncEngine
 from prefixserve.api.metrics import ServerMetrics
 

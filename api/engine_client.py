@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from prefixserve.api.async_engine import RequestStream
-
     from prefixserve.preprocessor import PreparedRequest
     from prefixserve.sampling_params import BeamSearchParams, SamplingParams
 

@@ -19,54 +19,49 @@ in flight get ``shutdown_grace_seconds`` to finish, the rest are aborted with a 
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
 import signal
-import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prefixserve.api.async_engine import RETRY_AFTER_SECONDS, AsyncEngine, EngineDeadError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import prefixserve
+from prefixserve.api.anthropic.messages import MessagesServing
+from prefixserve.api.anthropic.protocol import (
+    CountTokensRequest,
+    is_messages_path,
+)
+from prefixserve.api.async_engine import AsyncEngine, EngineDeadError
 from prefixserve.api.dashboard import dashboard_router
+from prefixserve.api.frontend.gate import Activity, Gate, drain, error_response
+from prefixserve.api.frontend.protocol import APIError, error_body
+from prefixserve.api.frontend.tenancy import Tenants, key_tenants, tenant_of
 from prefixserve.api.metrics import ServerMetrics
-from prefixserve.api.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
+from prefixserve.api.openai.chat import ChatServing
+from prefixserve.api.openai.completions import CompletionServing
+from prefixserve.api.openai.protocol import (
     DetokenizeRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
-    error_body,
 )
-from prefixserve.api.protocol_messages import (
-    CountTokensRequest,
-    MessagesRequest,
-    anthropic_error,
-    is_messages_path,
-)
-from prefixserve.api.protocol_responses import ResponsesRequest
-from prefixserve.api.responses_metrics import ResponsesCollector
-from prefixserve.api.responses_store import (
+from prefixserve.api.openai.responses.metrics import ResponsesCollector
+from prefixserve.api.openai.responses.serving import ResponsesServing
+from prefixserve.api.openai.responses.store import (
     DEFAULT_MAX_AGE_S,
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_ENTRIES,
+    IN_MEMORY,
     ResponseStore,
 )
-from prefixserve.api.responses_websocket import serve_websocket
-from prefixserve.api.serving_chat import ChatServing
-from prefixserve.api.serving_completion import CompletionServing
-from prefixserve.api.serving_messages import MessagesServing
-from prefixserve.api.serving_responses import ResponsesServing
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
-import prefixserve
+from prefixserve.api.openai.responses.tools import HOSTED_POLICIES
+from prefixserve.api.openai.responses.websocket import serve_websocket
 from prefixserve.chat_template import CONTENT_FORMATS, render_chat
 from prefixserve.engine import LLMEngine
 from prefixserve.errors import CacheCapacityError, InvalidArgumentError
@@ -88,14 +83,20 @@ class ServerConfig:
     ``require_cache_salt``: refuse requests without a ``cache_salt``.
     ``chat_template_content_format``: how message content reaches the chat template (``auto``,
     ``string``, ``openai``; see ``prefixserve.chat_template``).
-    ``responses_store_*``: the bounds of the Responses store (entries, bytes, seconds).
-    ``drop_attribution_header``: leave Claude Code's per-session attribution block out of
+    ``responses_store_*``: the bounds of the Responses store (entries, bytes, seconds; per
+    tenant: entries, bytes, None for the global bound) and its SQLite file (``:memory:``: none).
+    ``api_key``, ``api_keys`` (key -> tenant name): the keys accepted on /v1 (``frontend.tenancy``);
+    ``share_prefix_cache_across_tenants``: tenants share cached blocks (never stored responses).
+    ``hosted_tools``: ``accept`` (hosted Responses tools are not offered, and said so) or
+    ``refuse`` (a 400). ``drop_attribution_header``: leave Claude Code's per-session attribution block out of
     Messages prompts (``api/messages_prompt.py``). ``messages_force_tool_call``: a testing aid
     (``MessagesServing``).
     """
 
     served_model_names: list[str]
     api_key: str | None = None
+    api_keys: dict[str, str] = field(default_factory=dict)
+    share_prefix_cache_across_tenants: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
@@ -107,6 +108,10 @@ class ServerConfig:
     responses_store_max_entries: int = DEFAULT_MAX_ENTRIES
     responses_store_max_bytes: int = DEFAULT_MAX_BYTES
     responses_store_max_age_s: float = DEFAULT_MAX_AGE_S
+    responses_store_tenant_max_entries: int | None = None
+    responses_store_tenant_max_bytes: int | None = None
+    responses_store_path: str = IN_MEMORY
+    hosted_tools: str = "accept"
     drop_attribution_header: bool = True
     messages_force_tool_call: dict | None = None
 
@@ -131,102 +136,15 @@ class ServerConfig:
                 f"chat_template_content_format: must be one of {CONTENT_FORMATS}",
                 "chat_template_content_format",
             )
+        if self.hosted_tools not in HOSTED_POLICIES:
+            raise InvalidArgumentError(
+                f"hosted_tools: must be one of {HOSTED_POLICIES}", "hosted_tools"
+            )
         if self.shutdown_grace_seconds < 0:
             raise InvalidArgumentError(
                 f"shutdown_grace_seconds: must be >= 0, got {self.shutdown_grace_seconds}",
                 "shutdown_grace_seconds",
             )
-
-
-def _error_body(exc: APIError, path: str) -> tuple[int, dict]:
-    """``(status, body)``: Anthropic's shape on the Messages routes, OpenAI's elsewhere."""
-    if is_messages_path(path):
-        return anthropic_error(exc)
-    return exc.status, exc.body()
-
-
-def _error(exc: APIError, path: str = "") -> JSONResponse:
-    status, body = _error_body(exc, path)
-    return JSONResponse(body, status_code=status, headers=exc.headers)
-
-
-async def _send_error(send, exc: APIError, path: str) -> None:
-    """Answer a raw ASGI request with ``exc`` as a JSON error body."""
-    status, content = _error_body(exc, path)
-    body = json.dumps(content).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-class Gate:
-    """Pure ASGI middleware at the door: body size limit, refusal while draining, requests in flight.
-
-    The body is read here, up to ``max_body_bytes`` (a larger ``Content-Length`` is refused before
-    reading; a body that grows past the limit while streaming in is refused as soon as it does),
-    and replayed to the app; later ``receive`` calls go to the client, so disconnects still show.
-    """
-
-    def __init__(self, app, max_body_bytes: int) -> None:
-        self.app = app
-        self.max_body_bytes = max_body_bytes
-        self.draining = False
-        self.in_flight = 0
-
-    def _too_large(self) -> APIError:
-        return APIError(
-            f"request body: larger than the server's limit of {self.max_body_bytes} bytes; "
-            "send a smaller request",
-            413,
-        )
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if self.draining and scope["path"] != "/metrics":
-            await _send_error(
-                send,
-                APIError(
-                    "the server is shutting down and accepts no new requests; retry on another "
-                    "replica or later",
-                    503,
-                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-                ),
-                scope["path"],
-            )
-            return
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await _send_error(send, self._too_large(), scope["path"])
-            return
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left before sending its body
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_body_bytes:
-                await _send_error(send, self._too_large(), scope["path"])
-                return
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-
-        self.in_flight += 1
-        try:
-            await self.app(scope, replay, send)
-        finally:
-            self.in_flight -= 1
 
 
 def _body_error_message(exc: BaseException | None) -> str:
@@ -290,26 +208,28 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     with its interface (the scale-out ingress's ``RemoteEngine``). /metrics and /dashboard are
     the caller's to add: ``create_app`` serves one engine's, the ingress the cluster's."""
     names = config.served_model_names or [engine.model_name]
+    tenants = Tenants({**key_tenants([config.api_key or ""]), **config.api_keys},
+                      config.share_prefix_cache_across_tenants)  # fmt: skip
     options = dict(
         request_timeout=config.request_timeout, require_cache_salt=config.require_cache_salt
     )
-    chat = ChatServing(
-        engine, names, config.tool_call_parser, config.chat_template_content_format,
-        reasoning_parser=config.reasoning_parser, **options,
+    template = dict(
+        tool_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,
+        content_format=config.chat_template_content_format, **options,
     )  # fmt: skip
+    chat = ChatServing(engine, names, **template)
     completion = CompletionServing(engine, names, **options)
     store = ResponseStore(
         config.responses_store_max_entries,
         config.responses_store_max_bytes,
         config.responses_store_max_age_s,
+        config.responses_store_tenant_max_entries,
+        config.responses_store_tenant_max_bytes,
+        config.responses_store_path,
     )
-    responses = ResponsesServing(
-        engine, names, config.tool_call_parser, store, config.chat_template_content_format,
-        reasoning_parser=config.reasoning_parser, **options,
-    )  # fmt: skip
-    messages = MessagesServing(
-        chat, config.drop_attribution_header, config.messages_force_tool_call
-    )
+    responses = ResponsesServing(engine, names, store, config.hosted_tools, **template)
+    messages = MessagesServing(engine, names, config.drop_attribution_header,
+                               config.messages_force_tool_call, **template)  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -318,26 +238,28 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             yield
         finally:
             await asyncio.to_thread(engine.stop)
+            await asyncio.to_thread(store.close)
 
     app = FastAPI(title="prefixserve", version=prefixserve.__version__, lifespan=lifespan)
-    app.state.engine, app.state.config = engine, config
+    app.state.engine, app.state.config, app.state.tenants = engine, config, tenants
+    app.state.activity = Activity()
     app.state.responses = responses
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
-        return _error(exc, request.url.path)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError):
-        return _error(
+        return error_response(
             APIError(_validation_message(exc), 400, _validation_param(exc)), request.url.path
         )
 
     async def on_engine_error(request: Request, exc: Exception):
-        return _error(APIError(str(exc), 400, getattr(exc, "param", None)), request.url.path)
+        return error_response(APIError(str(exc), 400, getattr(exc, "param", None)), request.url.path)
 
     async def on_engine_dead(request: Request, exc: Exception):
-        return _error(APIError(str(exc), 500), request.url.path)
+        return error_response(APIError(str(exc), 500), request.url.path)
 
     app.add_exception_handler(EngineDeadError, on_engine_dead)
     app.add_exception_handler(InvalidArgumentError, on_engine_error)
@@ -346,9 +268,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 400 and exc.__cause__ is not None:
-            return _error(APIError(_body_error_message(exc.__cause__), 400), request.url.path)
+            return error_response(APIError(_body_error_message(exc.__cause__), 400), request.url.path)
         if is_messages_path(request.url.path):
-            return _error(APIError(str(exc.detail), exc.status_code), request.url.path)
+            return error_response(APIError(str(exc.detail), exc.status_code), request.url.path)
         return JSONResponse(
             error_body(
                 str(exc.detail),
@@ -359,21 +281,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         )
 
     @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if config.api_key and request.url.path.startswith("/v1"):
-            # OpenAI clients send "Authorization: Bearer KEY", Anthropic's "x-api-key: KEY"
-            x_api_key = request.headers.get("x-api-key")
-            if x_api_key is not None:
-                given, expected = x_api_key, config.api_key
-            else:
-                given, expected = (
-                    request.headers.get("authorization", ""),
-                    f"Bearer {config.api_key}",
-                )
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                return _error(
-                    APIError("Unauthorized: a valid API key is required", 401), request.url.path
-                )
+    async def authenticate(request: Request, call_next):
+        """Every /v1 route: the request's tenant, from its verified credentials (a 401)."""
+        if request.url.path.startswith("/v1"):
+            headers = request.headers
+            try:
+                request.state.tenant = tenants.authenticate(headers.get("authorization"),
+                                                            headers.get("x-api-key"))  # fmt: skip
+            except APIError as exc:
+                return error_response(exc, request.url.path)
         return await call_next(request)
 
     @app.get("/health")
@@ -402,47 +318,35 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         completion.check_model(model_id)
         return ModelCard(id=model_id, root=engine.model_name, max_model_len=engine.max_model_len)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, raw_request: Request):
-        return _respond(await chat.create(req, raw_request))
-
-    @app.post("/v1/messages")
-    async def create_message(req: MessagesRequest, raw_request: Request):
-        return _respond(await messages.create(req, raw_request))
+    for path, create in (("/v1/chat/completions", chat.create), ("/v1/completions", completion.create),
+                         ("/v1/responses", responses.create), ("/v1/messages", messages.create)):  # fmt: skip
+        app.add_api_route(path, create, methods=["POST"])  # a JSON body or an event stream
 
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(req: CountTokensRequest):
         return await messages.count_tokens(req)
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw_request: Request):
-        return _respond(await completion.create(req, raw_request))
-
-    @app.post("/v1/responses")
-    async def create_response(req: ResponsesRequest, raw_request: Request):
-        return _respond(await responses.create(req, raw_request))
-
     @app.websocket("/v1/responses")
     async def responses_websocket(ws: WebSocket):
-        await serve_websocket(ws, responses, config.api_key, config.max_request_body_bytes)
+        await serve_websocket(ws, responses, tenants, app.state.activity,
+                              config.max_request_body_bytes)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, raw_request: Request, cache_salt: str | None = None):
-        return responses.lookup(raw_request.headers.get("authorization"), response_id,
-                                cache_salt).response  # fmt: skip
+        return responses.lookup(tenant_of(raw_request), response_id, cache_salt).response
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(
         response_id: str, raw_request: Request, cache_salt: str | None = None
     ):
-        return responses.delete(raw_request.headers.get("authorization"), response_id, cache_salt)
+        return responses.delete(tenant_of(raw_request), response_id, cache_salt)
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def response_input_items(
         response_id: str, raw_request: Request, cache_salt: str | None = None, limit: int = 20,
         order: str = "desc", after: str | None = None,
     ):  # fmt: skip
-        entry = responses.lookup(raw_request.headers.get("authorization"), response_id, cache_salt)
+        entry = responses.lookup(tenant_of(raw_request), response_id, cache_salt)
         return responses.input_items(entry, limit, order, after)
 
     @app.post("/tokenize")
@@ -483,44 +387,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             )
         return {"prompt": engine.tokenizer.decode(req.tokens)}
 
-    app.add_middleware(Gate, max_body_bytes=config.max_request_body_bytes)
+    app.add_middleware(Gate, max_body_bytes=config.max_request_body_bytes,
+                       activity=app.state.activity)
     return app
-
-
-def gate_of(app: FastAPI) -> Gate:
-    """The app's ``Gate`` middleware instance (built with the middleware stack on first use)."""
-    if app.middleware_stack is None:
-        app.middleware_stack = app.build_middleware_stack()
-    layer = app.middleware_stack
-    while not isinstance(layer, Gate):
-        layer = layer.app
-    return layer
-
-
-async def drain(app: FastAPI, grace_seconds: float) -> None:
-    """Refuse new requests, give those in flight ``grace_seconds``, then abort the rest."""
-    gate, engine = gate_of(app), app.state.engine
-    gate.draining = True
-    logger.info("draining: %d requests in flight, grace %.1f s", gate.in_flight, grace_seconds)
-    deadline = time.monotonic() + grace_seconds
-    while gate.in_flight and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    if gate.in_flight:
-        logger.warning("grace period over: aborting %d requests in flight", gate.in_flight)
-        engine.fail_all(
-            APIError("the server shut down before this request finished; retry it", 503)
-        )
-        deadline = time.monotonic() + 5.0
-        while gate.in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-
-
-def _respond(result):
-    if hasattr(result, "__aiter__"):
-        return StreamingResponse(
-            result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
-    return result
 
 
 def run_server(

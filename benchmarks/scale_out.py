@@ -92,9 +92,9 @@ def make_requests(args: argparse.Namespace) -> list[BenchRequest]:
 def deploy(args: argparse.Namespace, system: str, base: str, app_name: str) -> None:
     """A fresh application under its own name: Ray's PrefixCacheAffinityRouter keeps its tree in
     a detached actor per application, which a redeploy under the same name would inherit."""
-    from prefixserve.api.server import ServerConfig
     from ray import serve
 
+    from prefixserve.api.server import ServerConfig
     from prefixserve.scale_out.deployments import ScaleOutConfig, build_application
 
     engine = dict(

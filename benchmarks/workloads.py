@@ -23,6 +23,7 @@ for the built-in model), which trims the ShareGPT means by under 1%.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 from dataclasses import dataclass
@@ -124,6 +125,14 @@ def build_requests(
         (random_prompt(rng, min(n_in, max_input), PROMPT_VOCAB), min(n_out, max_output))
         for n_in, n_out in sample_lengths(dist, num_requests, seed, MAX_MODEL_LEN)
     ]
+
+
+def write_report(out_dir: Path, name: str, report: dict) -> Path:
+    """Write ``report`` as ``out_dir/name.json`` (the one way every benchmark here writes one)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return path
 
 
 def parse_run_options(

@@ -13,25 +13,18 @@ from __future__ import annotations
 
 import json
 
-from common import (
-    AGENT_INSTRUCTIONS,
-    FLEET_QUESTION,
-    FLEET_REPORT,
-    connect,
-    example_parser,
-    host_status_tool,
-)
+import common as fleet
 
-TOOLS = [host_status_tool(max_host_len=12, responses=True)]
+TOOLS = [fleet.host_status_tool(max_host_len=12, responses=True)]
 
 
 def main() -> None:
-    parser = example_parser(__doc__)
+    parser = fleet.example_parser(__doc__)
     parser.add_argument("--turns", type=int, default=4)
-    args, client, model = connect(parser)
-    common = dict(model=model, instructions=AGENT_INSTRUCTIONS, tools=TOOLS, temperature=1.0)
+    args, client, model = fleet.connect(parser)
+    common = dict(model=model, instructions=fleet.AGENT_INSTRUCTIONS, tools=TOOLS, temperature=1.0)
     response = client.responses.create(
-        input=FLEET_QUESTION["content"], tool_choice="required",
+        input=fleet.FLEET_QUESTION["content"], tool_choice="required",
         parallel_tool_calls=False, max_output_tokens=64, **common,
     )  # fmt: skip
     for turn in range(args.turns):
@@ -49,7 +42,7 @@ def main() -> None:
                     "output": json.dumps(result)}],
             tool_choice="none" if last else "required", parallel_tool_calls=False,
             max_output_tokens=160 if last else 64,
-            text={"format": {"type": "json_schema", "name": "report", "schema": FLEET_REPORT}},
+            text={"format": {"type": "json_schema", "name": "report", "schema": fleet.FLEET_REPORT}},
             **common,
         )  # fmt: skip
     usage = response.usage

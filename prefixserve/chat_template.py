@@ -37,31 +37,13 @@ _TEXT_PARTS = ("text", "input_text")
 
 
 def render_chat(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
-    *,
-    tools: list[dict] | None = None,
-    add_generation_prompt: bool = True,
-    continue_final_message: bool = False,
-    add_special_tokens: bool = False,
-    content_format: str = "auto",
-    chat_template: str | None = None,
-    chat_template_kwargs: dict[str, Any] | None = None,
-    documents: list[dict] | None = None,
+    tokenizer: Any, messages: list[dict[str, Any]], *, add_special_tokens: bool = False,
+    **options: Any,
 ) -> list[int]:
-    """Prompt token ids of a conversation; raises ``InvalidArgumentError`` (param "messages" or
-    the option at fault) on anything the template cannot take."""
-    text = render_chat_text(
-        tokenizer,
-        messages,
-        tools=tools,
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message,
-        content_format=content_format,
-        chat_template=chat_template,
-        chat_template_kwargs=chat_template_kwargs,
-        documents=documents,
-    )
+    """Prompt token ids of a conversation (``options``: ``render_chat_text``'s); raises
+    ``InvalidArgumentError`` (param "messages" or the option at fault) on anything the template
+    cannot take."""
+    text = render_chat_text(tokenizer, messages, **options)
     return tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
 
@@ -105,15 +87,10 @@ def render_chat_text(
     kwargs = dict(chat_template_kwargs or {})
     try:
         return tokenizer.apply_chat_template(
-            conversation,
-            tools=tools,
-            documents=documents,
-            chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tokenize=False,
-            **kwargs,
-        )
+            conversation, tools=tools, documents=documents, chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt, tokenize=False,
+            continue_final_message=continue_final_message, **kwargs,
+        )  # fmt: skip
     except Exception as exc:
         raise InvalidArgumentError(
             f"messages: the chat template failed: {exc}", "messages"

@@ -113,8 +113,21 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--api-key",
-        default=os.environ.get("PREFIXSERVE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: $PREFIXSERVE_API_KEY)",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1/*; repeat for "
+        "several keys, each its own tenant (default: $PREFIXSERVE_API_KEY)",
+    )
+    p.add_argument(
+        "--api-keys-file",
+        default=None,
+        help='a JSON file {"KEY": "tenant name", ...}: keys with the same name are one tenant '
+        "(docs/tenancy.md)",
+    )
+    p.add_argument(
+        "--share-prefix-cache-across-tenants",
+        action="store_true",
+        help="let tenants share cached KV blocks (stored responses are never shared)",
     )
     p.add_argument(
         "--tool-call-parser",
@@ -185,7 +198,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="refuse requests without a cache_salt (one prefix-cache namespace per tenant)",
     )
-    from prefixserve.api.responses_store import (
+    from prefixserve.api.openai.responses.store import (
         DEFAULT_MAX_AGE_S,
         DEFAULT_MAX_BYTES,
         DEFAULT_MAX_ENTRIES,
@@ -209,6 +222,47 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_AGE_S,
         help="seconds a stored response lives",
     )
+    p.add_argument(
+        "--responses-store-tenant-max-entries",
+        type=int,
+        default=None,
+        help="stored responses one tenant may hold (default: the store's bound)",
+    )
+    p.add_argument(
+        "--responses-store-tenant-max-bytes",
+        type=int,
+        default=None,
+        help="bytes one tenant's stored responses may hold (default: the store's bound)",
+    )
+    p.add_argument(
+        "--hosted-tools",
+        choices=["accept", "refuse"],
+        default="accept",
+        help="hosted Responses tools (web_search, file_search, ...): accept them and offer them "
+        "to no model (said in a response header), or refuse the request with a 400",
+    )
+    p.add_argument(
+        "--responses-store-path",
+        default=default_store_path(),
+        help="the SQLite file stored responses are kept in across restarts; ':memory:' keeps "
+        "them in memory only (docs/responses-store.md)",
+    )
+
+
+def default_store_path() -> str:
+    """``$XDG_STATE_HOME/prefixserve/responses.sqlite3`` (``~/.local/state`` without it)."""
+    state = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return os.path.join(state, "prefixserve", "responses.sqlite3")
+
+
+def api_keys(keys: list[str] | None, keys_file: str | None) -> dict[str, str]:
+    """``--api-key`` (each its own tenant; $PREFIXSERVE_API_KEY without one) and
+    ``--api-keys-file`` as {key: tenant name}."""
+    from prefixserve.api.frontend.tenancy import key_tenants, read_keys_file
+
+    env = os.environ.get("PREFIXSERVE_API_KEY")
+    out = key_tenants(keys or ([env] if env else []))
+    return {**out, **(read_keys_file(keys_file) if keys_file else {})}
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -216,7 +270,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     config = ServerConfig(
         served_model_names=list(args.served_model_name or []),
-        api_key=args.api_key or None,
+        api_keys=api_keys(args.api_key, args.api_keys_file),
+        share_prefix_cache_across_tenants=args.share_prefix_cache_across_tenants,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         max_waiting_requests=args.max_waiting_requests,
@@ -228,6 +283,10 @@ def run_serve(args: argparse.Namespace) -> int:
         responses_store_max_entries=args.responses_store_max_entries,
         responses_store_max_bytes=args.responses_store_max_bytes,
         responses_store_max_age_s=args.responses_store_max_age,
+        responses_store_tenant_max_entries=args.responses_store_tenant_max_entries,
+        responses_store_tenant_max_bytes=args.responses_store_tenant_max_bytes,
+        responses_store_path=args.responses_store_path,
+        hosted_tools=args.hosted_tools,
         drop_attribution_header=args.drop_attribution_header,
         messages_force_tool_call=args.messages_force_tool_call,
     )

@@ -45,17 +45,16 @@ def codex_binary() -> Path:
     return binary
 
 
-def codex_home(folder: Path, base_url: str, model: str, websockets: bool = False) -> Path:
+def codex_home(
+    folder: Path, base_url: str, model: str, websockets: bool = False, default: bool = False
+) -> Path:
     """A ``CODEX_HOME`` whose only provider is ``base_url``, offline and without retries; short
-    base instructions keep the prompt within a small test model's context."""
+    base instructions keep the prompt within a small test model's context. ``default``: Codex's
+    own configuration otherwise (its instructions, web search, plugins and features as shipped);
+    only analytics and feedback, which would leave the machine, stay off."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "instructions.md").write_text("You are a coding agent. Be brief.\n")
-    (folder / "config.toml").write_text(f"""\
-model = "{model}"
-model_provider = "local"
-model_instructions_file = "{folder / "instructions.md"}"
-web_search = "disabled"
-
+    provider = f"""\
 [model_providers.local]
 name = "local"
 base_url = "{base_url}"
@@ -64,6 +63,18 @@ env_key = "PREFIXSERVE_TEST_KEY"
 request_max_retries = 0
 stream_max_retries = 0
 supports_websockets = {"true" if websockets else "false"}
+
+[analytics]
+enabled = false
+
+[feedback]
+enabled = false
+"""
+    head = f'model = "{model}"\nmodel_provider = "local"\n'
+    if not default:
+        head += f"""\
+model_instructions_file = "{folder / "instructions.md"}"
+web_search = "disabled"
 
 [features]
 plugins = false
@@ -75,13 +86,8 @@ goals = false
 
 [agents]
 enabled = false
-
-[analytics]
-enabled = false
-
-[feedback]
-enabled = false
-""")
+"""
+    (folder / "config.toml").write_text(f"{head}\n{provider}")
     return folder
 
 
@@ -96,11 +102,9 @@ def run_codex(binary: Path, home: Path, workdir: Path, prompt: str) -> subproces
 
 
 @contextmanager
-def steering_proxy(upstream: str, command: str) -> Iterator[tuple[str, list[dict]]]:
+def steering_proxy(upstream: str, command: str | None) -> Iterator[tuple[str, list[dict]]]:
     """An HTTP proxy to ``upstream`` that records each POST body as Codex sent it and steers it
-    (``_steer``): on a turn without a tool result yet the model must call Codex's
-    ``exec_command`` with ``cmd`` = ``command`` (a random-weight model would never choose it).
-    Yields (its /v1 URL, the recorded bodies)."""
+    (``_steer``). Yields (its /v1 URL, the recorded bodies)."""
     recorded: list[dict] = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -134,7 +138,7 @@ def steering_proxy(upstream: str, command: str) -> Iterator[tuple[str, list[dict
 
 
 @contextmanager
-def steering_websocket_proxy(upstream: str, command: str) -> Iterator[tuple[str, list[dict]]]:
+def steering_websocket_proxy(upstream: str, command: str | None) -> Iterator[tuple[str, list[dict]]]:
     """``steering_proxy`` for Responses over WebSocket: relays frames both ways, recording and
     steering each ``response.create`` frame the same way (a warm-up is left alone)."""
     from websockets.asyncio.client import connect
@@ -185,10 +189,16 @@ def steering_websocket_proxy(upstream: str, command: str) -> Iterator[tuple[str,
         loop.close()
 
 
-def _steer(body: dict, command: str) -> None:
-    """Narrow ``exec_command``'s ``cmd`` to ``command`` in every request (so the tools, and the
-    rendered prompt, stay the same all session), and force a call of it on a turn that has no
-    tool result yet (not on a ``generate: false`` warm-up)."""
+def _steer(body: dict, command: str | None) -> None:
+    """With a ``command``: narrow ``exec_command``'s ``cmd`` to it in every request (so the
+    tools, and the rendered prompt, stay the same all session), and force a call of it on a turn
+    that has no tool result yet (not on a ``generate: false`` warm-up): a random-weight model
+    would never choose it. Without one: the model calls nothing (``tool_choice: "none"``; the
+    tools are still in the prompt), since a random model that starts a call under a strict
+    tool's grammar (Codex's apply_patch) may not finish it within the context."""
+    if command is None:
+        body["tool_choice"] = "none"
+        return
     for tool in body.get("tools") or []:
         if tool.get("name") == "exec_command":
             tool["parameters"] = {"type": "object", "required": ["cmd"],

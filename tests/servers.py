@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -26,13 +27,14 @@ def server_process(
     *extra: str, env: dict | None = None, num_kv_blocks: int = 512, timeout: float = 90.0
 ) -> Iterator[tuple[subprocess.Popen, str]]:
     """``python -m prefixserve serve`` on a free port, once healthy: yields (process, base URL).
+    Stored responses stay in memory unless ``extra`` names a ``--responses-store-path``.
 
-    On exit a process still running is terminated (killed if it does not stop in 15 s).
+    On exit the process is terminated (killed if it does not stop in 15 s).
     """
     port = free_port()
     cmd = [sys.executable, "-m", "prefixserve", "serve", "--port", str(port)]
     cmd += ["--num-kv-blocks", str(num_kv_blocks), "--max-model-len", "1024"]
-    cmd += ["--log-level", "warning", *extra]
+    cmd += ["--log-level", "warning", "--responses-store-path", ":memory:", *extra]
     proc = subprocess.Popen(
         cmd,
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
@@ -42,27 +44,31 @@ def server_process(
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{proc.stdout.read()}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("server did not become healthy")
-            time.sleep(0.2)
+        _wait_healthy(proc, base, time.monotonic() + timeout)
         yield proc, base
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        proc.wait()
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Terminate ``proc``, kill it if it has not stopped within 15 s, and reap it."""
+    proc.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=15)
+    proc.kill()  # nothing once it has exited
+    proc.wait()
+
+
+def _wait_healthy(proc: subprocess.Popen, base: str, deadline: float) -> None:
+    """Until ``base``/health answers 200; an error if the process exits or ``deadline`` passes."""
+    while proc.poll() is None:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError("server did not become healthy")
+        time.sleep(0.2)
+    raise RuntimeError(f"server exited with {proc.returncode}:\n{proc.stdout.read()}")
 
 
 @contextmanager

@@ -10,9 +10,9 @@ from pathlib import Path
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-import kv_waste  # noqa: E402
-import sharing_savings  # noqa: E402
 import workloads  # noqa: E402
+from kv_memory import sharing as sharing_savings  # noqa: E402
+from kv_memory import waste as kv_waste  # noqa: E402
 
 
 def test_length_distributions_are_seeded_clipped_and_keep_their_means():

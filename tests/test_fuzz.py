@@ -20,9 +20,9 @@ import requests
 import schemathesis
 import uvicorn
 from hypothesis import HealthCheck, Phase, given, settings
-from prefixserve.api.server import ServerConfig, create_app
 from servers import MODEL, free_port
 
+from prefixserve.api.server import ServerConfig, create_app
 from prefixserve.config import EngineConfig
 from prefixserve.engine import LLMEngine
 

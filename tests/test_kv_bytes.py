@@ -1,4 +1,4 @@
-"""benchmarks/kv_bytes.py: K/V bytes per decode step from the engine's plan, against hand counts."""
+"""benchmarks/kv_memory/reads.py (``python benchmarks/kv_memory reads``): K/V bytes per decode step from the engine's plan, against hand counts."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 pytest.importorskip("triton")
 
-import kv_bytes
+from kv_memory import reads as kv_bytes
 
 
 def test_small_case_by_hand() -> None:

@@ -4,9 +4,10 @@ maps as documented, refused ones are 400s, and the attribution rule drops only i
 from __future__ import annotations
 
 import pytest
-from prefixserve.api.messages_prompt import is_attribution_block, to_chat_request
-from prefixserve.api.protocol import APIError
-from prefixserve.api.protocol_messages import CountTokensRequest, MessagesRequest
+
+from prefixserve.api.anthropic.prompt import is_attribution_block, to_chat_request
+from prefixserve.api.anthropic.protocol import CountTokensRequest, MessagesRequest
+from prefixserve.api.frontend.protocol import APIError
 
 ATTRIBUTION = "x-anthropic-billing-header: cc_version=2.1.332.0b8; cc_entrypoint=sdk-cli;"
 TOOL = {"name": "Bash", "description": "run", "input_schema": {"type": "object"}}

@@ -1,38 +1,28 @@
-"""``MessagesServing`` without an engine: the event stream's order, pings while waiting, usage in
+"""``MessagesServing`` on a scripted engine: the event stream's order, pings while waiting, usage in
 ``message_start`` and ``message_delta``, the error event, and the forced-tool-call testing aid."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 import pytest
-import prefixserve.api.serving_messages as serving_messages
-from prefixserve.api.messages_prompt import to_chat_request
-from prefixserve.api.messages_stream import BlockEvents
-from prefixserve.api.protocol import APIError
-from prefixserve.api.protocol_messages import MessagesRequest
-from prefixserve.api.serving_messages import MessagesServing
-from prefixserve.api.tool_call_streams import ToolMode
+from scripted_engine import ScriptedEngine
 
+import prefixserve.api.anthropic.messages as serving_messages
+from prefixserve.api.anthropic.messages import MessagesServing
+from prefixserve.api.anthropic.prompt import to_chat_request
+from prefixserve.api.anthropic.protocol import MessagesRequest
+from prefixserve.api.frontend.inputs import EngineInputs
+from prefixserve.api.frontend.protocol import APIError, ToolRequest
+from prefixserve.api.parsing.reply import ToolMode
 from prefixserve.outputs import CompletionOutput, RequestOutput
 
 PROMPT = list(range(40))
 
 
-class FakeChat:
-    """What ``MessagesServing`` uses of ``ChatServing`` while streaming."""
-
-    def __init__(self) -> None:
-        self.engine = SimpleNamespace(prefix_cache_block_size=16)
-        self.aborted: list = []
-
-    def _visible_text(self, c: CompletionOutput, mode: ToolMode) -> str:
-        return c.text
-
-    def abort_all(self, streams) -> None:
-        self.aborted.extend(streams)
+def serving(**options) -> MessagesServing:
+    return MessagesServing(ScriptedEngine(), ["m"], **options)
 
 
 class FakeStream:
@@ -56,23 +46,23 @@ def out(text: str, n: int, finish: str | None = None) -> RequestOutput:
     return RequestOutput("r", None, PROMPT, [c], finish is not None, num_cached_tokens=16)
 
 
-def run_stream(items: list, delay: float) -> tuple[list[tuple[str, dict]], FakeChat]:
-    chat = FakeChat()
-    serving = MessagesServing(chat)  # type: ignore[arg-type]
+def run_stream(items: list, delay: float) -> tuple[list[tuple[str, dict]], MessagesServing]:
+    messages = serving()
     stream = FakeStream(items, delay)
+    inputs = EngineInputs(PROMPT, None, ToolMode.NONE, ToolRequest(), "")
 
     async def main() -> list[str]:
-        return [e async for e in serving._stream("msg_1", "m", [stream], BlockEvents(ToolMode.NONE), 40)]
+        return [e async for e in messages._stream("msg_1", "m", [stream], inputs)]
 
     events = []
     for raw in asyncio.run(main()):
         head, data = raw.strip().split("\n")
         events.append((head.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
-    return events, chat
+    return events, messages
 
 
 def test_stream_order_and_usage_split_in_message_start():
-    events, chat = run_stream([out("Hel", 1), out("Hello", 2, "stop")], delay=0.0)
+    events, _ = run_stream([out("Hel", 1), out("Hello", 2, "stop")], delay=0.0)
     assert [k for k, _ in events] == [
         "message_start", "ping", "content_block_start", "content_block_delta",
         "content_block_delta", "content_block_stop", "message_delta", "message_stop",
@@ -83,7 +73,6 @@ def test_stream_order_and_usage_split_in_message_start():
     assert events[6][1] == {"type": "message_delta",
         "delta": {"stop_reason": "end_turn", "stop_sequence": None},
         "usage": {**usage, "output_tokens": 2}}  # fmt: skip
-    assert chat.aborted  # the handler always lets go of its engine requests
 
 
 def test_pings_while_waiting(monkeypatch):
@@ -100,10 +89,11 @@ def test_pings_while_waiting(monkeypatch):
 
 
 def test_a_failure_midway_ends_with_an_error_event():
-    events, chat = run_stream([out("Hi", 1), APIError("queue full", 503)], delay=0.0)
+    events, messages = run_stream([out("Hi", 1), APIError("queue full", 503)], delay=0.0)
     assert events[-1] == ("error", {"type": "error", "error": {
         "type": "overloaded_error", "message": "queue full"}})  # fmt: skip
-    assert "message_stop" not in [k for k, _ in events] and chat.aborted
+    assert "message_stop" not in [k for k, _ in events]
+    assert messages.engine.aborted == ["r"]  # the handler lets go of its engine request
 
 
 FORCE = {"name": "Bash", "input_schema": {"type": "object", "properties": {
@@ -125,25 +115,24 @@ TOOLS = [{"name": "Bash", "input_schema": {"type": "object"}},
     ],
 )  # fmt: skip
 def test_force_tool_call_applies_to_the_users_own_turn(messages, tools, forced):
-    serving = MessagesServing(FakeChat(), force_tool_call=FORCE)  # type: ignore[arg-type]
     req = MessagesRequest(model="m", max_tokens=8, messages=messages, tools=tools)
     chat_req = to_chat_request(req, True, True)
-    grammar_tools = serving._force(req, chat_req)
+    got = serving(force_tool_call=FORCE)._force(req, chat_req, chat_req.tool_request())
     if forced:
-        assert chat_req.tool_choice == {"type": "function", "function": {"name": "Bash"}}
-        assert grammar_tools == [{"type": "function", "function": {
+        assert (got.choice, got.name) == ("named", "Bash")
+        assert got.grammar_tools == [{"type": "function", "function": {
             "name": "Bash", "parameters": FORCE["input_schema"]}}]  # fmt: skip
-        assert chat_req.tools[0].function.parameters == {"type": "object"}  # the prompt's own
+        assert got.tools[0]["function"]["parameters"] == {"type": "object"}  # the prompt's own
     else:
-        assert grammar_tools is None and chat_req.tool_choice != FORCE
+        assert got == chat_req.tool_request() and got.grammar_tools is None
 
 
 def test_no_forcing_without_the_option():
-    serving = MessagesServing(FakeChat())  # type: ignore[arg-type]
     req = MessagesRequest(model="m", max_tokens=8, messages=[{"role": "user", "content": "x"}],
                           tools=TOOLS)  # fmt: skip
     chat_req = to_chat_request(req, True, True)
-    assert serving._force(req, chat_req) is None and chat_req.tool_choice == "auto"
+    tools = chat_req.tool_request()
+    assert serving()._force(req, chat_req, tools) is tools and tools.choice == "auto"
 
 
 def test_cli_options():

@@ -1,18 +1,17 @@
-"""Messages replies without a server: content blocks streamed (``BlockEvents``) and not
-(``content_blocks``) agree, usage splits the prompt by the cache, stop reasons, error shapes."""
+"""Messages replies without a server: content blocks streamed (``BlockEvents``) and their
+non-streamed content (``content_of`` the same events) agree for any split, usage splits the
+prompt by the cache, stop reasons, error shapes."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from prefixserve.api.messages_stream import BlockEvents
-from prefixserve.api.protocol import APIError
-from prefixserve.api.protocol_messages import anthropic_error, is_messages_path
-from prefixserve.api.serving_messages import content_blocks, stop_reason_of, usage_of
-from prefixserve.api.tool_call_streams import ToolMode
-from prefixserve.api.tool_parsers import parse_forced_tool_calls, parse_tool_calls
 
+from prefixserve.api.anthropic.blocks import BlockEvents, content_of
+from prefixserve.api.anthropic.messages import stop_reason_of, usage_of
+from prefixserve.api.anthropic.protocol import anthropic_error, is_messages_path
+from prefixserve.api.frontend.protocol import APIError
+from prefixserve.api.parsing.reasoning import reasoning_parser
+from prefixserve.api.parsing.reply import Finish, ReplyParser, ToolMode
 from prefixserve.outputs import CompletionOutput, RequestOutput
 
 CALL = '<tool_call>\n{"name": "Bash", "arguments": {"command": "echo hi"}}\n</tool_call>'
@@ -22,40 +21,29 @@ FORCED = (
 )
 
 
-def replay(events: list[tuple[str, dict]]) -> list[dict]:
-    """Rebuild the content from block events, checking their order and indexes."""
-    blocks: list[dict] = []
-    open_index = None
+def check_order(events: list[tuple[str, dict]]) -> None:
+    """Blocks start in index order, one open at a time, deltas go to the open one."""
+    open_index, count = None, 0
     for kind, body in events:
         if kind == "content_block_start":
-            assert open_index is None and body["index"] == len(blocks)
-            blocks.append(dict(body["content_block"], _json=""))
-            open_index = body["index"]
+            assert open_index is None and body["index"] == count
+            open_index, count = body["index"], count + 1
         elif kind == "content_block_delta":
             assert body["index"] == open_index
-            delta, block = body["delta"], blocks[open_index]
-            if delta["type"] == "text_delta":
-                block["text"] += delta["text"]
-            else:
-                block["_json"] += delta["partial_json"]
         else:
             assert kind == "content_block_stop" and body["index"] == open_index
             open_index = None
     assert open_index is None
-    for block in blocks:
-        raw = block.pop("_json")
-        if block["type"] == "tool_use":
-            block["input"] = json.loads(raw)
-    return blocks
 
 
-def stream(text: str, mode: ToolMode, piece: int) -> tuple[list[dict], bool]:
-    blocks = BlockEvents(mode)
-    events = []
-    for i in range(0, len(text), piece):
-        events += blocks.feed(text[i : i + piece])
-    events += blocks.feed("", final=True)
-    return replay(events), blocks.has_calls
+def blocks_of(text: str, mode: ToolMode, piece: int, reasoning: bool = False
+              ) -> tuple[list[dict], bool]:  # fmt: skip
+    reasoner = reasoning_parser("qwen3", "<|im_start|>assistant\n") if reasoning else None
+    blocks = BlockEvents(ReplyParser(mode, "hermes", None, reasoner))
+    events = [e for i in range(0, len(text), piece) for e in blocks.feed(text[i : i + piece])]
+    events += blocks.feed("", Finish("stop"))
+    check_order(events)
+    return content_of(events), blocks.has_calls
 
 
 def without_ids(blocks: list[dict]) -> list[dict]:
@@ -64,35 +52,34 @@ def without_ids(blocks: list[dict]) -> list[dict]:
 
 @pytest.mark.parametrize("piece", [1, 3, 1000])
 @pytest.mark.parametrize(
-    "text, mode",
+    "text, mode, expected",
     [
-        ("Hello there.", ToolMode.NONE),
-        ("  ", ToolMode.NONE),
-        ("", ToolMode.NONE),
-        ("Let me run it." + "\n" + CALL, ToolMode.AUTO),
-        ("\n" + CALL + "\n" + CALL.replace("echo hi", "ls"), ToolMode.AUTO),
-        ("no call here", ToolMode.AUTO),
-        ('<tool_call>\n{"name": "f", "arguments": "[1]"}\n</tool_call>', ToolMode.AUTO),
-        (FORCED, ToolMode.REQUIRED),
-        (FORCED.split("\n<tool_call>")[0] + "\n", ToolMode.NAMED),
+        ("Hello there.", ToolMode.NONE, [("text", "Hello there.")]),
+        ("  ", ToolMode.NONE, [("text", "  ")]),
+        ("", ToolMode.NONE, []),
+        ("Let me run it.\n" + CALL, ToolMode.AUTO,
+         [("text", "Let me run it.\n"), ("tool_use", {"command": "echo hi"})]),
+        ("\n" + CALL + "\n" + CALL.replace("echo hi", "ls"), ToolMode.AUTO,
+         [("tool_use", {"command": "echo hi"}), ("tool_use", {"command": "ls"})]),
+        ("no call here", ToolMode.AUTO, [("text", "no call here")]),
+        ('<tool_call>\n{"name": "f", "arguments": "[1]"}\n</tool_call>', ToolMode.AUTO,
+         [("text", '{"name": "f", "arguments": "[1]"}')]),  # arguments that are no object
+        (FORCED, ToolMode.REQUIRED, [("tool_use", {"command": "echo hi"}),
+                                     ("tool_use", {"path": 'a}"b'})]),
+        (FORCED.split("\n<tool_call>")[0] + "\n", ToolMode.NAMED,
+         [("tool_use", {"command": "echo hi"})]),
     ],
-)
-def test_streamed_blocks_equal_non_streamed(text, mode, piece):
-    streamed, called = stream(text, mode, piece)
-    if mode is ToolMode.AUTO:
-        content, calls = parse_tool_calls(text)
-    elif mode is ToolMode.NONE:
-        content, calls = text, []
-    else:
-        content, calls = None, parse_forced_tool_calls(text)
-    whole = content_blocks(content, calls)
-    strip = [{**b, "text": b["text"].strip()} if b["type"] == "text" else b for b in streamed]
-    assert without_ids(strip if mode is ToolMode.AUTO else streamed) == without_ids(whole)
+)  # fmt: skip
+def test_streamed_blocks_equal_non_streamed(text, mode, expected, piece):
+    streamed, called = blocks_of(text, mode, piece)
+    whole, _ = blocks_of(text, mode, len(text) or 1)
+    assert without_ids(streamed) == without_ids(whole)
+    assert [(b["type"], b.get("text", b.get("input"))) for b in whole] == expected
     assert called == any(b["type"] == "tool_use" for b in whole)
 
 
 def test_forced_arguments_stream_as_generated():
-    events = BlockEvents(ToolMode.REQUIRED).feed(FORCED, final=True)
+    events = BlockEvents(ReplyParser(ToolMode.REQUIRED)).feed(FORCED, Finish("stop"))
     fragments = [b["delta"]["partial_json"] for k, b in events if k == "content_block_delta"]
     assert fragments == ['{"command": "echo hi"}', '{"path": "a}\\"b"}']
     starts = [b["content_block"] for k, b in events if k == "content_block_start"]
@@ -100,15 +87,11 @@ def test_forced_arguments_stream_as_generated():
         ("tool_use", "Bash", {}), ("tool_use", "Read", {})]  # fmt: skip
 
 
-def test_whitespace_before_a_call_is_dropped_and_text_is_held_until_it_is_more():
-    blocks = BlockEvents(ToolMode.AUTO)
+def test_whitespace_before_a_call_is_dropped():
+    blocks = BlockEvents(ReplyParser(ToolMode.AUTO, "hermes"))
     assert blocks.feed("\n") == []
-    assert [k for k, _ in blocks.feed(CALL, final=True)] == [
+    assert [k for k, _ in blocks.feed(CALL, Finish("stop"))] == [
         "content_block_start", "content_block_delta", "content_block_stop"]  # fmt: skip
-    text = BlockEvents(ToolMode.NONE)
-    assert text.feed(" ") == []
-    assert text.feed("a")[1] == ("content_block_delta",
-        {"index": 0, "delta": {"type": "text_delta", "text": " a"}})  # fmt: skip
 
 
 def output(prompt: int, cached: int, generated: int = 2, **finish) -> RequestOutput:
@@ -167,30 +150,21 @@ def test_messages_paths():
 
 @pytest.mark.parametrize("piece", [1, 4, 1000])
 @pytest.mark.parametrize(
-    "text, mode",
+    "text, mode, expected",
     [
-        ("<think>check the host</think>\n\nIt is up.", ToolMode.NONE),
-        ("<think>run it</think>\n" + FORCED, ToolMode.REQUIRED),
-        ("<think>unfinished", ToolMode.NONE),
+        ("<think>check the host</think>\n\nIt is up.", ToolMode.NONE,
+         [("thinking", "check the host"), ("text", "It is up.")]),
+        ("<think>run it</think>\n" + FORCED, ToolMode.REQUIRED,
+         [("thinking", "run it"), ("tool_use", {"command": "echo hi"}),
+          ("tool_use", {"path": 'a}"b'})]),
+        ("<think>unfinished", ToolMode.NONE, [("thinking", "unfinished")]),
     ],
-)
-def test_reasoning_is_a_thinking_block_streamed_and_not(text, mode, piece):
-    from prefixserve.api.reasoning_parsers import reasoning_parser
-
-    events, blocks = [], BlockEvents(mode, reasoning_parser("qwen3", "<|im_start|>assistant\n"))
-    for i in range(0, len(text), piece):
-        events += blocks.feed(text[i : i + piece])
-    events += blocks.feed("", final=True)
-    thinking = "".join(
-        b["delta"]["thinking"] for k, b in events
-        if k == "content_block_delta" and b["delta"]["type"] == "thinking_delta"
-    )  # fmt: skip
-    reasoning, rest = reasoning_parser("qwen3", "<|im_start|>assistant\n").extract(text)
-    assert thinking == reasoning
-    streamed = replay([(k, b) for k, b in events if b.get("delta", {}).get("type") != "thinking_delta"])
-    forced = mode is ToolMode.REQUIRED
-    calls = parse_forced_tool_calls(rest or "") if forced else []
-    whole = content_blocks(None if forced else rest, calls, reasoning)
-    assert whole[0] == {"type": "thinking", "thinking": reasoning, "signature": ""}
-    assert [b["type"] for b in streamed] == [b["type"] for b in whole]
-    assert without_ids(streamed[1:]) == without_ids(whole[1:])
+)  # fmt: skip
+def test_reasoning_is_a_thinking_block_streamed_and_not(text, mode, expected, piece):
+    streamed, _ = blocks_of(text, mode, piece, reasoning=True)
+    whole, _ = blocks_of(text, mode, len(text), reasoning=True)
+    assert without_ids(streamed) == without_ids(whole)
+    assert whole[0]["signature"] == ""
+    assert [(b["type"], b.get("thinking", b.get("text", b.get("input")))) for b in whole] == (
+        expected
+    )

@@ -1,17 +1,17 @@
-"""``api/reasoning_parsers.py``: where an output starts (from prompts the real Qwen3 and
+"""``api/parsing/reasoning.py``: where an output starts (from prompts the real Qwen3 and
 DeepSeek-R1 templates render), what is reasoning and what is content, streamed == whole."""
 
 from __future__ import annotations
 
 import pytest
 from families import family_tokenizer
-from prefixserve.api.reasoning_parsers import (
+
+from prefixserve.api.parsing.reasoning import (
     count_reasoning_tokens,
     reasoning_ahead,
     reasoning_parser,
     starts_in_reasoning,
 )
-
 from prefixserve.chat_template import render_chat
 
 USER = [{"role": "user", "content": "Is 7 prime?"}]
@@ -86,7 +86,7 @@ def test_reasoning_tokens_count_through_the_end_tag():
 def test_a_qwen3_turn_re_renders_from_its_parts_in_the_real_template():
     """Reasoning, then a hermes call, in the shape Qwen3 writes: split into reasoning_content
     and tool_calls, the tool loop's next prompt contains the output byte for byte."""
-    from prefixserve.api.tool_call_parsers import tool_call_parser
+    from prefixserve.api.parsing.tool_calls import tool_call_parser
 
     tok = family_tokenizer("qwen3")
     tools = [{"type": "function", "function": {"name": "pick", "parameters": {"type": "object"}}}]
@@ -94,7 +94,8 @@ def test_a_qwen3_turn_re_renders_from_its_parts_in_the_real_template():
     output = '<think>\nSeven has no divisors.\n</think>\n\n<tool_call>\n{"name": "pick", "arguments": {"n": 7}}\n</tool_call>'
     reasoning, content = reasoning_parser("qwen3", prompt).extract(output)
     _, calls = tool_call_parser("hermes", tools).parse(content)
-    call = calls[0].model_dump()
+    call = {"id": calls[0].id, "type": "function",
+            "function": {"name": calls[0].name, "arguments": calls[0].arguments}}
     history = [*USER, {"role": "assistant", "content": "", "reasoning_content": reasoning,
                        "tool_calls": [call]},
                {"role": "tool", "tool_call_id": call["id"], "content": "ok"}]  # fmt: skip

@@ -18,11 +18,11 @@ from contextlib import asynccontextmanager
 
 import httpx
 import pytest
-from prefixserve.api.async_engine import AsyncEngine
-from prefixserve.api.server import ServerConfig, create_app
 from servers import MODEL, metric, scrape, server_process
 
 from prefixserve import LLM, SamplingParams
+from prefixserve.api.async_engine import AsyncEngine
+from prefixserve.api.server import ServerConfig, create_app
 from prefixserve.config import EngineConfig
 from prefixserve.engine import LLMEngine
 

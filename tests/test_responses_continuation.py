@@ -5,9 +5,9 @@ text; otherwise the prompt is the template's text re-tokenized."""
 from __future__ import annotations
 
 import pytest
-from prefixserve.api.responses_continuation import continue_prompt, render_prompt
-from prefixserve.api.responses_items import normalize_input, to_messages
 
+from prefixserve.api.openai.responses.continuation import continue_prompt, render_prompt
+from prefixserve.api.openai.responses.items import normalize_input, to_messages
 from prefixserve.chat_template import render_chat_text
 from prefixserve.models.builtin import CHAT_TEMPLATE, EOS, IM_END, builtin_tokenizer
 

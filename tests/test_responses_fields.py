@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from openai.types.responses.response_create_params import ResponseCreateParamsBase
-from prefixserve.api.protocol_responses import ResponsesRequest, refused_fields
+
+from prefixserve.api.openai.responses.protocol import ResponsesRequest, refused_fields
 
 
 def test_every_documented_field_is_honoured_or_refused():

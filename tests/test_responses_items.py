@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from prefixserve.api.protocol import APIError
-from prefixserve.api.responses_items import chat_tools, normalize_input, to_messages
+
+from prefixserve.api.frontend.protocol import APIError
+from prefixserve.api.openai.responses.items import normalize_input, to_messages
 
 
 def test_string_input_is_one_user_message_with_an_id():
@@ -59,45 +60,6 @@ def test_bad_items_are_refused_by_index(raw, match):
         normalize_input(raw)
     assert err.value.status == 400 and err.value.param == "input"
     assert "input[0]" in err.value.message
-
-
-def test_function_tools_map_and_others_are_refused_by_name():
-    tools = [{"type": "function", "name": "f", "description": "d", "strict": True,
-              "parameters": {"type": "object"}}]  # fmt: skip
-    assert chat_tools(tools)[0] == [{"type": "function", "function": {
-        "name": "f", "description": "d", "parameters": {"type": "object"}}}]  # fmt: skip
-    assert chat_tools(None) == (None, {})
-    for kind in ("web_search", "file_search", "computer_use_preview", "code_interpreter", "mcp",
-                 "custom", "tool_search"):  # fmt: skip
-        with pytest.raises(APIError, match=repr(kind)) as err:
-            chat_tools([{"type": kind}])
-        assert err.value.status == 400 and err.value.param == "tools"
-
-
-def test_namespace_functions_are_flattened_and_remember_their_namespace():
-    tools = [{"type": "function", "name": "f"},
-             {"type": "namespace", "name": "agents", "tools": [
-                 {"type": "function", "name": "spawn", "parameters": {"type": "object"}}]}]  # fmt: skip
-    defs, namespaces = chat_tools(tools)
-    assert [d["function"]["name"] for d in defs] == ["f", "spawn"]
-    assert namespaces == {"spawn": "agents"}
-    with pytest.raises(APIError, match="'f' is given twice"):
-        chat_tools([*tools, {"type": "namespace", "name": "n", "tools": [{"type": "function",
-                                                                            "name": "f"}]}])
-    with pytest.raises(APIError, match="'custom'"):
-        chat_tools([{"type": "namespace", "name": "n", "tools": [{"type": "custom"}]}])
-
-
-def test_strict_is_true_unless_set_false():
-    from prefixserve.api.responses_items import strict_names
-
-    tools = [{"type": "function", "name": "a"}, {"type": "function", "name": "b", "strict": False},
-             {"type": "function", "name": "c", "strict": True},
-             {"type": "namespace", "name": "n", "tools": [
-                 {"type": "function", "name": "d", "strict": None},
-                 {"type": "function", "name": "e", "strict": False}]}]  # fmt: skip
-    assert strict_names(tools) == {"a", "c", "d"}
-    assert strict_names(None) == set()
 
 
 def test_reasoning_that_nothing_follows_is_an_assistant_turn_of_its_own():

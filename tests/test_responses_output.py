@@ -1,19 +1,32 @@
-"""Output items and typed stream events built from the model's text, per tool mode."""
+"""Output items and typed stream events built from the model's text, per tool mode and for
+every family's tool-call syntax."""
 
 from __future__ import annotations
 
-from prefixserve.api.responses_output import ResponseOutput
-from prefixserve.api.tool_call_streams import ToolMode
+import json
 
+import pytest
+
+from prefixserve.api.openai.responses.output import ResponseOutput
+from prefixserve.api.parsing.reasoning import reasoning_parser
+from prefixserve.api.parsing.reply import Finish, ReplyParser, ToolMode
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "g", "parameters": {}}}]  # fmt: skip
 CALLS = ('<tool_call>\n{"name": "f", "arguments": {"a": [1, 2]}}\n</tool_call>\n'
          '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>')  # fmt: skip
 
 
+def output(mode: ToolMode, syntax: str | None = None, reasoner=None, **options) -> ResponseOutput:
+    return ResponseOutput(ReplyParser(mode, syntax, TOOLS, reasoner), **options)
+
+
 def run(mode: ToolMode, pieces: list[str], status: str = "completed") -> tuple[ResponseOutput, list]:
-    out = ResponseOutput(mode)
+    out = output(mode)
     events = []
     for i, piece in enumerate(pieces):
-        events += out.feed(piece, final=i == len(pieces) - 1)
+        events += out.feed(piece, finish=Finish("stop") if i == len(pieces) - 1 else None)
     return out, events + out.finish(status)
 
 
@@ -80,7 +93,7 @@ def test_auto_mode_text_then_parsed_calls():
 
 
 def test_logprobs_ride_on_deltas_and_the_part():
-    out = ResponseOutput(ToolMode.NONE, with_logprobs=True)
+    out = output(ToolMode.NONE, with_logprobs=True)
     lp = [{"token": "a", "logprob": -0.1, "bytes": [97], "top_logprobs": []}]
     events = out.feed("a", lp) + out.finish("completed")
     assert events[2]["logprobs"] == lp and out.items[0]["content"][0]["logprobs"] == lp
@@ -88,20 +101,18 @@ def test_logprobs_ride_on_deltas_and_the_part():
 
 
 def test_a_namespaced_function_call_names_its_namespace():
-    out = ResponseOutput(ToolMode.REQUIRED, namespaces={"g": "tools"})
-    out.feed(CALLS, final=True)
+    out = output(ToolMode.REQUIRED, namespaces={"g": "tools"})
+    out.feed(CALLS, finish=Finish("stop"))
     out.finish("completed")
     assert "namespace" not in out.items[0] and out.items[1]["namespace"] == "tools"
 
 
 def _reasoned(text: str, piece: int, mode: ToolMode = ToolMode.NONE, status: str = "completed"):
-    from prefixserve.api.reasoning_parsers import reasoning_parser
-
-    out = ResponseOutput(mode, reasoner=reasoning_parser("qwen3", "<|im_start|>assistant\n"))
+    out = output(mode, reasoner=reasoning_parser("qwen3", "<|im_start|>assistant\n"))
     events = []
     for i in range(0, len(text), piece):
         events += out.feed(text[i : i + piece])
-    return out, events + out.feed("", final=True) + out.finish(status)
+    return out, events + out.feed("", finish=Finish("stop")) + out.finish(status)
 
 
 def test_reasoning_is_an_item_before_the_message_in_openai_order():
@@ -136,12 +147,81 @@ def test_reasoning_then_a_forced_call_and_unfinished_reasoning():
 
 
 def test_logprobs_of_reasoning_tokens_make_no_message():
-    from prefixserve.api.reasoning_parsers import reasoning_parser
-
-    out = ResponseOutput(ToolMode.NONE, with_logprobs=True,
-                         reasoner=reasoning_parser("deepseek_r1", "<think>\n"))  # fmt: skip
+    out = output(ToolMode.NONE, reasoner=reasoning_parser("deepseek_r1", "<think>\n"),
+                 with_logprobs=True)  # fmt: skip
     lp = [{"token": "a", "logprob": -0.1, "bytes": [97], "top_logprobs": []}]
     out.feed("thinking", lp)
     assert [i["type"] for i in out.items] == ["reasoning"]
-    out.feed("</think>Hi", lp, final=True)
+    out.feed("</think>Hi", lp, finish=Finish("stop"))
     assert out.items[1]["content"][0]["logprobs"] == lp
+
+
+# per family: (text with content and two calls, forced text of two calls); the calls f(a=1, b="x")
+# and g() in the syntax the family's model writes (and a grammar forces)
+FAMILIES = {
+    "hermes": (
+        'Sure.\n<tool_call>\n{"name": "f", "arguments": {"a": 1, "b": "x"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>',
+        '<tool_call>\n{"name": "f", "arguments": {"a": 1, "b": "x"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>',
+    ),
+    "llama3_json": (
+        None,  # calls open the output: no content before them
+        '{"name": "f", "parameters": {"a": 1, "b": "x"}}; {"name": "g", "parameters": {}}',
+    ),
+    "mistral": (
+        'Sure. [TOOL_CALLS] [{"name": "f", "arguments": {"a": 1, "b": "x"}, "id": "abcDEF123"}, '
+        '{"name": "g", "arguments": {}, "id": "ZYX987wvu"}]',
+        '[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1, "b": "x"}, "id": "abcDEF123"}, '
+        '{"name": "g", "arguments": {}, "id": "ZYX987wvu"}]',
+    ),
+    "pythonic": (None, '[f(a=1, b="x"), g()]'),
+    "qwen3_coder": (
+        "Sure.\n<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\nx\n"
+        "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=g>\n</function>\n"
+        "</tool_call>",
+        "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\nx\n"
+        "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=g>\n</function>\n"
+        "</tool_call>",
+    ),
+}
+FAMILY_CALLS = [("f", {"a": 1, "b": "x"}), ("g", {})]
+
+
+def _family_items(mode: ToolMode, syntax: str, text: str, piece: int) -> tuple[list, list]:
+    out = output(mode, syntax)
+    events = []
+    for i in range(0, len(text), piece):
+        events += out.feed(text[i : i + piece])
+    return out.items, events + out.feed("", finish=Finish("stop")) + out.finish("completed")
+
+
+def _shape(items: list[dict]) -> list:
+    return [(i["type"], i["content"][0]["text"].strip()) if i["type"] == "message"
+            else (i["name"], json.loads(i["arguments"])) for i in items]  # fmt: skip
+
+
+@pytest.mark.parametrize("piece", [1, 5, 10_000])
+@pytest.mark.parametrize("syntax", list(FAMILIES))
+def test_each_familys_calls_are_items_with_their_arguments_deltas(syntax, piece):
+    auto, forced = FAMILIES[syntax]
+    for mode, text in ((ToolMode.REQUIRED, forced), (ToolMode.AUTO, auto or forced)):
+        items, events = _family_items(mode, syntax, text, piece)
+        expected = FAMILY_CALLS if mode is ToolMode.REQUIRED or auto is None else [
+            ("message", "Sure."), *FAMILY_CALLS]  # fmt: skip
+        assert _shape(items) == expected
+        for item in items:  # each item's deltas add up to it
+            if item["type"] == "function_call":
+                deltas = [e["delta"] for e in events if e.get("item_id") == item["id"]
+                          and e["type"] == "response.function_call_arguments.delta"]  # fmt: skip
+                assert "".join(deltas) == item["arguments"]
+        if syntax == "mistral":  # the model's ids: the template re-renders them
+            calls = [i for i in items if i["type"] == "function_call"]
+            assert [i["call_id"] for i in calls] == ["abcDEF123", "ZYX987wvu"]
+
+
+def test_whitespace_before_a_call_is_no_message():
+    items, _ = _family_items(ToolMode.AUTO, "qwen3_coder", "\n" + FAMILIES["qwen3_coder"][1], 1)
+    assert [i["type"] for i in items] == ["function_call", "function_call"]
+    items, _ = _family_items(ToolMode.AUTO, "qwen3_coder", "  ", 1)
+    assert [(i["type"], i["content"][0]["text"]) for i in items] == [("message", "  ")]

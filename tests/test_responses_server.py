@@ -179,11 +179,10 @@ def test_evicted_response_is_a_404(client):
     ("extra", "param"),
     [
         ({"background": True}, "background"),
-        ({"reasoning": {"effort": "high", "summary": "auto"}}, "reasoning"),
+        ({"reasoning": {"effort": "extreme", "summary": "auto"}}, "reasoning"),
         ({"include": ["file_search_call.results"]}, "include"),
-        ({"tools": [{"type": "web_search"}]}, "tools"),
-        ({"tools": [{"type": "tool_search"}]}, "tools"),
-        ({"tools": [{"type": "custom", "name": "apply_patch"}]}, "tools"),
+        ({"tools": [{"type": "local_shell"}]}, "tools"),
+        ({"tools": [{"type": "custom", "name": "x", "format": {"type": "regex"}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
         ({"input": [{"type": "input_image"}]}, "input"),
@@ -257,7 +256,7 @@ def test_namespace_tool_call_names_its_namespace_and_reasoning_summary_is_accept
                                 temperature=0)  # fmt: skip
     (call,) = r.output
     assert call.name == "get_weather" and call.namespace == "weather"
-    assert r.reasoning is None and r.usage.output_tokens_details.reasoning_tokens == 0
+    assert r.reasoning.summary == "auto" and r.usage.output_tokens_details.reasoning_tokens == 0
 
 
 def test_logprobs_on_output_text(client):

@@ -1,85 +1,171 @@
-"""The Responses store's decisions: LRU order, entry/byte/age bounds, tenant isolation."""
+"""The Responses store's decisions: records hold deltas (bytes grow with the conversation, not its
+square), LRU order with whole chains, per-tenant and global bounds, namespaces, age, SQLite."""
 
 from __future__ import annotations
 
+import sqlite3
 from array import array
 
 import pytest
-from prefixserve.api.responses_store import ResponseStore, StoredResponse, tenant_of
 
+from prefixserve.api.openai.responses.store import Record, ResponseStore
 from prefixserve.errors import InvalidArgumentError
 
 
 class Clock:
     def __init__(self) -> None:
-        self.now = 0.0
+        self.now = 1000.0
 
     def __call__(self) -> float:
         return self.now
 
 
-def entry(text: str = "x", tokens: int = 0) -> StoredResponse:
-    return StoredResponse(response={"id": "r"}, items=[], output_items=[], prompt_text=text,
-                          prompt_token_ids=array("i", range(tokens)))  # fmt: skip
+def record(rid: str, parent: str | None = None, text: str = "x", owner: str = "t",
+           namespace: str = "ns", persist: bool = False) -> Record:  # fmt: skip
+    item = {"type": "message", "role": "user", "content": text}
+    return Record(rid, namespace, owner, parent, {"id": rid}, [item], [], None, text,
+                  array("i", range(3)), persist=persist)  # fmt: skip
 
 
-def test_least_recently_used_goes_first():
-    store = ResponseStore(max_entries=2)
-    store.put("t", "a", entry())
-    store.put("t", "b", entry())
-    assert store.get("t", "a") is not None  # a is now the most recent
-    store.put("t", "c", entry())
-    assert store.get("t", "b") is None
-    assert store.get("t", "a") is not None and store.get("t", "c") is not None
-    assert len(store) == 2 and store.evictions == 1
+def put(store: ResponseStore, *records: Record) -> None:
+    for r in records:
+        assert store.put(r, r.new_items) or True
 
 
-def test_bytes_bound_counts_text_and_token_ids():
-    small = entry("x" * 100)
-    one = small.measure()
-    assert entry("x" * 100, tokens=10).measure() == one + 40  # 4 bytes per token id
+def test_a_long_conversation_holds_each_turn_once():
+    """Issue 30: a 50-turn conversation of 100 kB counted 7.98 MB (every entry its whole chain)."""
+    store = ResponseStore()
+    parent = None
+    for turn in range(50):
+        store.put(record(f"r{turn}", parent, "y" * 2000), [])
+        parent = f"r{turn}"
+    assert 100_000 < store.nbytes < 2 * 100_000 + 50 * 200
+    chain = store.chain("r49", ("ns",))
+    assert [r.id for r in chain] == [f"r{i}" for i in range(50)]
+
+
+def test_least_recently_used_chains_go_first_and_take_their_descendants():
+    store = ResponseStore(max_entries=3)
+    put(store, record("a"), record("a2", "a"), record("b"))
+    assert store.chain("a2", ("ns",)) is not None  # refreshes a and a2
+    put(store, record("c"))
+    assert store.chain("b", ("ns",)) is None and store.evictions == 1
+    put(store, record("d"), record("e"))  # a goes, and a2 with it
+    assert store.chain("a2", ("ns",)) is None and len(store) == 3
+    assert store.evictions == 3
+
+
+def test_a_tenant_within_its_quota_keeps_its_records():
+    store = ResponseStore(max_entries=4, tenant_max_entries=3)
+    put(store, record("alice", owner="alice"))
+    for i in range(5):  # bob fills his quota, then the store
+        put(store, record(f"bob{i}", owner="bob"))
+    assert store.chain("alice", ("ns",)) is not None
+    assert store.owner_usage("bob")[0] == 3 and store.owner_usage("alice")[0] == 1
+    store = ResponseStore(max_entries=3)  # global bound: the largest owner pays
+    put(store, record("alice", owner="alice"), record("b1", owner="bob"), record("b2", owner="bob"))
+    put(store, record("carol", owner="carol"))
+    assert store.chain("alice", ("ns",)) is not None and store.chain("b1", ("ns",)) is None
+
+
+def test_byte_bounds_and_a_record_larger_than_its_bound():
+    one = record("x", text="z" * 100).measure()
     store = ResponseStore(max_bytes=2 * one + 10)
     for name in "abc":
-        store.put("t", name, entry("x" * 100))
-    assert [store.get("t", n) is not None for n in "abc"] == [False, True, True]
-    assert store.nbytes == 2 * one and store.evictions == 1
-    store.put("t", "huge", entry("x" * 10_000))  # larger than the whole store: not kept
-    assert store.get("t", "huge") is None and len(store) == 2 and store.evictions == 2
+        store.put(record(name, text="z" * 100), [])
+    assert [store.chain(n, ("ns",)) is not None for n in "abc"] == [False, True, True]
+    assert not store.put(record("huge", text="z" * 10_000), [])
+    assert store.nbytes == 2 * one
+
+
+def test_namespaces_isolate_and_delete_is_not_an_eviction():
+    store = ResponseStore()
+    put(store, record("r1", namespace="alice"))
+    assert store.chain("r1", ("bob",)) is None and not store.delete("r1", "bob")
+    assert store.chain("r1", ("bob", "alice")) is not None
+    assert store.delete("r1", "alice") and store.chain("r1", ("alice",)) is None
+    assert store.evictions == 0 and store.nbytes == 0
+
+
+def test_a_parent_evicted_meanwhile_makes_the_record_a_root_with_all_its_items():
+    store = ResponseStore()
+    whole = [{"type": "message", "role": "user", "content": "everything"}]
+    child = record("c", "gone")
+    child.spliced = 5
+    assert store.put(child, whole)
+    (root,) = store.chain("c", ("ns",))
+    assert root.parent is None and root.spliced is None and root.new_items == whole
 
 
 def test_age_bound():
     clock = Clock()
     store = ResponseStore(max_age_s=10, clock=clock)
-    store.put("t", "old", entry())
-    clock.now = 5
-    store.put("t", "new", entry())
-    clock.now = 11
-    assert store.get("t", "old") is None and store.evictions == 1
-    assert store.get("t", "new") is not None
-    clock.now = 16
-    store.put("t", "newest", entry())  # a put sweeps expired entries from the LRU end
-    assert len(store) == 1 and store.evictions == 2
+    put(store, record("old"))
+    clock.now += 5
+    put(store, record("new"))
+    clock.now += 6
+    assert store.chain("old", ("ns",)) is None and store.evictions == 1
+    assert store.chain("new", ("ns",)) is not None
 
 
-def test_tenants_are_isolated_and_delete_is_not_an_eviction():
+def test_a_connection_release_keeps_what_stored_responses_continue():
     store = ResponseStore()
-    alice, bob = tenant_of("Bearer a", None), tenant_of("Bearer b", None)
-    assert tenant_of("Bearer a", "salt") not in (alice, bob)
-    store.put(alice, "r1", entry())
-    assert store.get(bob, "r1") is None
-    assert not store.delete(bob, "r1") and store.get(alice, "r1") is not None
-    assert store.delete(alice, "r1") and store.get(alice, "r1") is None
-    assert store.evictions == 0 and store.nbytes == 0
+    put(store, record("w1", namespace="ws"), record("w2", "w1", namespace="ws"),
+        record("s", "w1", namespace="tenant"))  # fmt: skip
+    store.release("ws")
+    assert store.chain("w2", ("ws",)) is None
+    assert [r.id for r in store.chain("s", ("tenant",))] == ["w1", "s"]
 
 
-def test_replacing_an_id_keeps_byte_count_exact():
-    store = ResponseStore()
-    store.put("t", "a", entry("x" * 10))
-    store.put("t", "a", entry("x" * 20))
-    assert len(store) == 1 and store.nbytes == entry("x" * 20).measure()
+def test_records_survive_a_restart_without_their_token_ids(tmp_path):
+    path = str(tmp_path / "store.sqlite3")
+    store = ResponseStore(path=path)
+    put(store, record("a", persist=True), record("b", "a", persist=True), record("tmp"))
+    put(store, record("gone", persist=True))
+    assert store.delete("gone", "ns")
+    store.close()
+    with sqlite3.connect(path) as db:
+        assert sorted(r for (r,) in db.execute("SELECT id FROM responses")) == ["a", "b"]
+    again = ResponseStore(path=path)
+    chain = again.chain("b", ("ns",))
+    assert [r.id for r in chain] == ["a", "b"] and not chain[-1].prompt_known
+    assert again.chain("tmp", ("ns",)) is None and len(again) == 2
+    again.close()
 
 
-@pytest.mark.parametrize("name", ["max_entries", "max_bytes", "max_age_s"])
+def test_a_persisted_record_writes_its_ancestors(tmp_path):
+    path = str(tmp_path / "store.sqlite3")
+    store = ResponseStore(path=path)
+    put(store, record("ws1", namespace="ws"), record("kept", "ws1", persist=True))
+    store.close()
+    again = ResponseStore(path=path)
+    assert [r.id for r in again.chain("kept", ("ns",))] == ["ws1", "kept"]
+    again.close()
+
+
+@pytest.mark.parametrize("name", ["max_entries", "max_bytes", "max_age_s", "tenant_max_bytes"])
 def test_limits_must_be_positive(name):
     with pytest.raises(InvalidArgumentError, match=name):
-        ResponseStore(**{name: 0})
+        ResponseStore(**{name: -1})
+
+
+def test_a_continuation_after_a_restart_renders_again_over_http(tmp_path):
+    """Issue 30: nothing survived a restart; every previous_response_id became a 404."""
+    import httpx
+    from servers import MODEL, server_process
+
+    path = str(tmp_path / "responses.sqlite3")
+    body = {"model": MODEL, "max_output_tokens": 3, "temperature": 0}
+    with server_process("--responses-store-path", path) as (_, base):
+        first = httpx.post(f"{base}/v1/responses", json={**body, "input": "hi"}, timeout=60).json()
+        ephemeral = httpx.post(f"{base}/v1/responses", timeout=60,
+                               json={**body, "input": "no", "store": False}).json()  # fmt: skip
+    with server_process("--responses-store-path", path) as (_, base):
+        assert httpx.get(f"{base}/v1/responses/{first['id']}").json()["output"] == first["output"]
+        assert httpx.get(f"{base}/v1/responses/{ephemeral['id']}").status_code == 404
+        r = httpx.post(f"{base}/v1/responses", timeout=60, json={
+            **body, "input": "and then?", "previous_response_id": first["id"]})  # fmt: skip
+        assert r.status_code == 200, r.text
+        items = httpx.get(f"{base}/v1/responses/{r.json()['id']}/input_items?order=asc").json()
+        assert [i.get("content") for i in items["data"]][-1][0]["text"] == "and then?"
+        assert len(items["data"]) == 3  # hi, the first output, and then?

@@ -3,8 +3,8 @@ that the fewest turns are dropped (a renderer that counts words stands in for th
 
 from __future__ import annotations
 
-from prefixserve.api.responses_items import normalize_input
-from prefixserve.api.responses_truncation import cuts, kept, truncate
+from prefixserve.api.openai.responses.items import normalize_input
+from prefixserve.api.openai.responses.truncation import cuts, kept, truncate
 
 ITEMS = normalize_input([
     {"role": "system", "content": "rules"},                                          # 0

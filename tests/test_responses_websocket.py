@@ -94,3 +94,45 @@ def test_websocket_requires_the_api_key_and_bounds_frames():
             assert send(ws, input="hi", max_output_tokens=1, tools=None)[-1]["response"]["id"]
             (big,) = send(ws, input="x" * 5000)
             assert big["type"] == "error" and big["status"] == 413
+
+
+def test_every_failing_frame_is_one_error_event(server):
+    """Issue 30: a binary frame, or an error that was no ``APIError`` (a string reasoning
+    ``summary`` was a TypeError), closed the connection with 1011."""
+    with connect(ws_url(server)) as ws:
+        ws.send(b'{"type": "response.create"}')
+        binary = json.loads(ws.recv(timeout=10))
+        assert binary["type"] == "error" and binary["status"] == 400
+        (bad,) = send(ws, input=[{"type": "reasoning", "summary": 3}])
+        assert bad["status"] == 400 and bad["error"]["param"] == "input"
+        fine = send(ws, input=[{"role": "user", "content": "hi"},
+                               {"type": "reasoning", "summary": "plan"}], max_output_tokens=2)  # fmt: skip
+        assert fine[-1]["type"] in ("response.completed", "response.incomplete")
+
+
+def test_drain_waits_for_a_websocket_turn_and_refuses_new_upgrades():
+    import signal
+    import time
+
+    from servers import server_process
+
+    long_text = {"format": {"type": "json_schema", "name": "long", "schema": {
+        "type": "object", "properties": {"a": {"type": "string", "minLength": 400}},
+        "required": ["a"]}}}  # fmt: skip
+    with server_process("--shutdown-grace-seconds", "30") as (proc, base):
+        with connect(ws_url(base)) as ws:
+            ws.send(json.dumps({**COMMON, "tools": None, "input": "go", "text": long_text,
+                                "max_output_tokens": 600}))  # fmt: skip
+            events = [json.loads(ws.recv(timeout=60)) for _ in range(4)]  # the turn is running
+            proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            time.sleep(0.5)
+            with pytest.raises((InvalidStatus, OSError)):
+                connect(ws_url(base), open_timeout=5).close()
+            while events[-1]["type"] not in ("response.completed", "response.incomplete",
+                                             "response.failed", "error"):  # fmt: skip
+                events.append(json.loads(ws.recv(timeout=60)))
+            finished = time.monotonic()
+        assert events[-1]["type"] == "response.completed", events[-1]  # not cut off
+        assert finished - signalled > 0.5  # it ran on while the server drained
+        assert proc.wait(timeout=30) == 0

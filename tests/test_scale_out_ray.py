@@ -23,9 +23,9 @@ import pytest
 from servers import MODEL, free_port
 
 ray = pytest.importorskip("ray", reason="RAY IS NOT INSTALLED: pip install 'prefixserve[ray]'")
-from prefixserve.api.server import ServerConfig  # noqa: E402
 from ray import serve  # noqa: E402
 
+from prefixserve.api.server import ServerConfig  # noqa: E402
 from prefixserve.scale_out.deployments import ScaleOutConfig, build_application  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))

@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from prefixserve.api.responses_continuation import continue_prompt, render_prompt
-from prefixserve.api.responses_items import normalize_input, to_messages
 
+from prefixserve.api.openai.responses.continuation import continue_prompt, render_prompt
+from prefixserve.api.openai.responses.items import normalize_input, to_messages
 from prefixserve.chat_template import render_chat_text
 from prefixserve.config import EngineConfig
 from prefixserve.engine import LLMEngine
@@ -64,6 +64,17 @@ def _until(predicate, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+def _run_and_mirror(engine, request_id: str, prompt: list[int], params, mirror):
+    """Run one request to its end, then wait until ``mirror`` holds the pool's hashed blocks."""
+    engine.add_request(request_id, prompt, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    expected = {external_block_hash(h) for h in engine.scheduler.kv.pool.hashed_blocks()}
+    _until(lambda: mirror.held == expected)
+    return outputs[-1]
+
+
 def ranking(decision) -> list[str]:
     return [c.replica for c in decision.ranking]
 
@@ -71,54 +82,23 @@ def ranking(decision) -> list[str]:
 # --- choose: the decision rule ----------------------------------------------------------------
 
 
+# (what it shows, config, candidates, (ranking, reason))
+CHOICES = [
+    ("the_replica_holding_the_prefix_wins_when_loads_are_close", RouterConfig(), [Candidate("a", 0, 0), Candidate("b", 64, 40)], (["b", "a"], PREFIX)),
+    ("past_the_imbalance_threshold_the_least_loaded_wins", RouterConfig(imbalance_threshold=1000), [Candidate("a", 512, 1001), Candidate("b", 0, 0)], (["b", "a"], LOAD)),
+    ("at_the_imbalance_threshold_the_prefix_still_wins", RouterConfig(imbalance_threshold=1000), [Candidate("a", 512, 1000), Candidate("b", 0, 0)], (["a", "b"], PREFIX)),
+    ("a_cold_request_goes_to_the_least_loaded", RouterConfig(), [Candidate("a", 0, 50, 10), Candidate("b", 0, 10, 90)], (["b", "a"], COLD)),
+    ("a_cold_request_between_equal_loads_goes_to_the_emptier_cache", RouterConfig(), [Candidate("a", 0, 0, 90), Candidate("b", 0, 0, 10)], (["b", "a"], COLD)),
+    # a: 100 - 0.5 * 300 = -50; b: 40 - 0.5 * 0 = 40 -> b, although a holds more
+    ("the_score_trades_hit_tokens_against_weighted_load", RouterConfig(load_weight=0.5), [Candidate("a", 100, 300), Candidate("b", 40, 0)], (["b", "a"], PREFIX)),
+    # a holds everything but is busier than the hit is worth: the idle one wins, for load
+    ("a_hit_worth_less_than_its_load_loses_to_the_idle_replica", RouterConfig(load_weight=0.5), [Candidate("a", 100, 300), Candidate("b", 0, 0)], (["b", "a"], LOAD)),
+]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("config", "candidates", "expected"),
-    [
-        pytest.param(
-            RouterConfig(),
-            [Candidate("a", 0, 0), Candidate("b", 64, 40)],
-            (["b", "a"], PREFIX),
-            id="the_replica_holding_the_prefix_wins_when_loads_are_close",
-        ),
-        pytest.param(
-            RouterConfig(imbalance_threshold=1000),
-            [Candidate("a", 512, 1001), Candidate("b", 0, 0)],
-            (["b", "a"], LOAD),
-            id="past_the_imbalance_threshold_the_least_loaded_wins",
-        ),
-        pytest.param(
-            RouterConfig(imbalance_threshold=1000),
-            [Candidate("a", 512, 1000), Candidate("b", 0, 0)],
-            (["a", "b"], PREFIX),
-            id="at_the_imbalance_threshold_the_prefix_still_wins",
-        ),
-        pytest.param(
-            RouterConfig(),
-            [Candidate("a", 0, 50, 10), Candidate("b", 0, 10, 90)],
-            (["b", "a"], COLD),
-            id="a_cold_request_goes_to_the_least_loaded",
-        ),
-        pytest.param(
-            RouterConfig(),
-            [Candidate("a", 0, 0, 90), Candidate("b", 0, 0, 10)],
-            (["b", "a"], COLD),
-            id="a_cold_request_between_equal_loads_goes_to_the_emptier_cache",
-        ),
-        # a: 100 - 0.5 * 300 = -50; b: 40 - 0.5 * 0 = 40 -> b, although a holds more
-        pytest.param(
-            RouterConfig(load_weight=0.5),
-            [Candidate("a", 100, 300), Candidate("b", 40, 0)],
-            (["b", "a"], PREFIX),
-            id="the_score_trades_hit_tokens_against_weighted_load",
-        ),
-        # a holds everything but is busier than the hit is worth: the idle one wins, for load
-        pytest.param(
-            RouterConfig(load_weight=0.5),
-            [Candidate("a", 100, 300), Candidate("b", 0, 0)],
-            (["b", "a"], LOAD),
-            id="a_hit_worth_less_than_its_load_loses_to_the_idle_replica",
-        ),
-    ],
+    [pytest.param(*row[1:], id=row[0]) for row in CHOICES],
 )
 def test_choose_ranks_and_gives_the_reason(
     config: RouterConfig, candidates: list[Candidate], expected: tuple[list[str], str]
@@ -292,16 +272,9 @@ def test_a_follower_mirrors_an_engine_exactly_and_predicts_its_hits() -> None:
     mirror = HashMirror()
     follower = EventFollower(KVEventsEndpoint(pub.endpoint, pub.replay_endpoint, BS), mirror)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, cache_salt="s")
-    pool = engine.scheduler.kv.pool
 
     def run(request_id: str, prompt: list[int]):
-        engine.add_request(request_id, prompt, params)
-        outputs = []
-        while engine.has_unfinished_requests():
-            outputs += engine.step()
-        expected = {external_block_hash(h) for h in pool.hashed_blocks()}
-        _until(lambda: mirror.held == expected)
-        return outputs[-1]
+        return _run_and_mirror(engine, request_id, prompt, params, mirror)
 
     try:
         for i in range(8):  # outgrows 24 blocks: evictions
@@ -367,7 +340,7 @@ def test_a_responses_continuation_routes_to_the_replica_holding_the_previous_res
         EngineConfig(num_kv_blocks=64, block_size=BS, max_model_len=512,
                      kv_events_endpoint=LOCAL, kv_events_replay_endpoint=LOCAL)
     )  # fmt: skip
-    tok, pool = engine.tokenizer, engine.scheduler.kv.pool
+    tok = engine.tokenizer
     pub = engine.kv_event_publisher
     state = PrefixRouterState()
     follower = EventFollower(KVEventsEndpoint(pub.endpoint, pub.replay_endpoint, BS),
@@ -375,13 +348,7 @@ def test_a_responses_continuation_routes_to_the_replica_holding_the_previous_res
     params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True, cache_salt="t")
 
     def run(request_id: str, prompt: list[int]):
-        engine.add_request(request_id, prompt, params)
-        outputs = []
-        while engine.has_unfinished_requests():
-            outputs += engine.step()
-        expected = {external_block_hash(h) for h in pool.hashed_blocks()}
-        _until(lambda: state.mirror("a").held == expected)
-        return outputs[-1]
+        return _run_and_mirror(engine, request_id, prompt, params, state.mirror("a"))
 
     try:
         items = normalize_input([{"role": "system", "content": "You are a careful agent."},

@@ -328,8 +328,8 @@ def test_api_key():
 
 def test_engine_death_makes_health_503():
     from fastapi.testclient import TestClient
-    from prefixserve.api.server import ServerConfig, create_app
 
+    from prefixserve.api.server import ServerConfig, create_app
     from prefixserve.config import EngineConfig
     from prefixserve.engine import LLMEngine
 

@@ -13,7 +13,7 @@ from prefixserve.sequence import Request, Sequence
 from prefixserve.spec_decode.config import SpeculativeConfig
 from prefixserve.spec_decode.metrics import SpecDecodeStats
 from prefixserve.spec_decode.ngram import match_ngram
-from prefixserve.spec_decode.output_index import OutputIndex
+from prefixserve.spec_decode.output_index import BYTES_PER_NGRAM, BYTES_PER_TOKEN, OutputIndex
 from prefixserve.spec_decode.proposer import DraftProposer, _grammar_prefix
 
 
@@ -156,6 +156,21 @@ def test_output_index_longest_match_and_eviction():
     assert index.lookup([4], 2) == (0, [])
     index.add([4])  # too short to hold an n-gram with a continuation
     assert len(index) == 2
+
+
+def test_output_index_is_bounded_in_bytes():
+    """Issue 30: the index was capped by count only (about 400 MB per tenant by default)."""
+    one = OutputIndex(max_outputs=10, min_n=1, max_n=3)
+    one.add(list(range(50)))
+    size = one.nbytes
+    assert size == 50 * BYTES_PER_TOKEN + (49 + 48 + 47) * BYTES_PER_NGRAM
+    index = OutputIndex(max_outputs=10, min_n=1, max_n=3, max_bytes=2 * size)
+    for start in (0, 100, 200):
+        index.add(list(range(start, start + 50)))
+    assert len(index) == 2 and index.nbytes == 2 * size
+    assert index.lookup([3, 4], 2) == (0, [])  # the first output went first
+    index.add(list(range(1000)))  # larger than the whole bound: not indexed
+    assert len(index) == 2 and index.nbytes == 2 * size
 
 
 def test_suffix_index_is_per_tenant():

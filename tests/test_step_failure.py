@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 import torch
-from prefixserve.api.async_engine import AsyncEngine, RequestFailedError
 
 from prefixserve import LLM, SamplingParams
+from prefixserve.api.async_engine import AsyncEngine, RequestFailedError
 from prefixserve.errors import StepFailedError
 from prefixserve.kv.hashing import extend_block_hashes
 from prefixserve.kv.kv_cache_manager import KVCacheManager

@@ -1,4 +1,4 @@
-"""``api/tool_call_parsers.py`` and the forced syntaxes of
+"""``api/parsing/tool_calls.py`` and the forced syntaxes of
 ``prefixserve/structured_outputs/tool_call_syntaxes.py``, on each family's real chat template:
 what each parser reads, streamed == whole for every split, and that a forced call the grammar
 accepts is parsed into the call whose next-turn rendering is the generated text, byte for byte."""
@@ -9,8 +9,8 @@ import json
 
 import pytest
 from families import family_tokenizer
-from prefixserve.api.tool_call_parsers import TOOL_CALL_PARSERS, tool_call_parser
 
+from prefixserve.api.parsing.tool_calls import TOOL_CALL_PARSERS, ParsedCall, tool_call_parser
 from prefixserve.chat_template import render_chat
 from prefixserve.errors import InvalidArgumentError
 from prefixserve.structured_outputs.manager import StructuredOutputManager
@@ -26,15 +26,8 @@ WEATHER = {
     },
     "required": ["city", "days"],
 }
-ADD = {
-    "type": "object",
-    "properties": {
-        "a": {"type": "integer"},
-        "b": {"type": "integer"},
-        "exact": {"type": "boolean"},
-    },
-    "required": ["a", "b"],
-}
+ADD = {"type": "object", "required": ["a", "b"], "properties": {
+    "a": {"type": "integer"}, "b": {"type": "integer"}, "exact": {"type": "boolean"}}}  # fmt: skip
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
     {"type": "function", "function": {"name": "add", "parameters": ADD}},
@@ -65,11 +58,19 @@ CASES = [
     ("qwen3_coder", "I will add.\n<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=add>\n<parameter=a>\n5\n</parameter>\n<parameter=b>\n6\n</parameter>\n</function>\n</tool_call>",
      "I will add.", [("add", {"a": 1, "b": 2}), ("add", {"a": 5, "b": 6})]),
     ("qwen3_coder", "<tool_call>\n<function=add>\n<parameter=a>\n1", "<tool_call>\n<function=add>\n<parameter=a>\n1", []),
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
+     "Let me check.", [("add", {"a": 1, "b": 2})]),
+    ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n<tool_call>{"name": "add", "arguments": "{\\"a\\": 3, \\"b\\": 4}"}</tool_call>',
+     None, [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]),
+    ("hermes", "<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),
+    ("hermes", '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+    ("hermes", '<tool_call>{"name": "add", "arguments": {}}', '<tool_call>{"name": "add", "arguments": {}}', []),
+    ("hermes", "plain <tool text with < signs, ends with <tool_ca", "plain <tool text with < signs, ends with <tool_ca", []),
 ]  # fmt: skip
 
 
 def _calls(calls) -> list[tuple[str, dict]]:
-    return [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+    return [(c.name, json.loads(c.arguments)) for c in calls]
 
 
 @pytest.mark.parametrize("name, text, content, calls", CASES)
@@ -80,21 +81,21 @@ def test_parse_and_every_split_of_the_stream_agree(name, text, content, calls):
     for step in (1, 2, 7):
         stream = parser.stream()
         pieces = [text[i : i + step] for i in range(0, len(text), step)]
-        streamed, streamed_calls = "", []
-        for i, piece in enumerate(pieces):
-            delta, new = stream.feed(piece, final=i == len(pieces) - 1)
-            streamed, streamed_calls = streamed + delta, streamed_calls + new
+        fed = [p for i, piece in enumerate(pieces)
+               for p in stream.feed(piece, final=i == len(pieces) - 1)]  # fmt: skip
+        streamed = "".join(p for p in fed if isinstance(p, str))
+        streamed_calls = [p for p in fed if isinstance(p, ParsedCall)]
         assert (streamed.strip() or None, _calls(streamed_calls)) == (content, calls)
-        assert stream.has_calls == bool(calls)
+        assert stream.calls == streamed_calls
 
 
 def test_content_streams_before_the_calls_are_known():
     stream = tool_call_parser("mistral", TOOLS).stream()
-    assert stream.feed("Sure, [TOOL") == ("Sure, ", [])  # "[TOOL" may be the marker: held
-    assert stream.feed('_CALLS] [{"name": "add", "arguments": {}}') == ("", [])
-    content, calls = stream.feed("]")
-    assert content == "" and [c.function.name for c in calls] == ["add"]
-    assert len(calls[0].id) == 9 and calls[0].id.isalnum()  # the id Mistral templates demand
+    assert stream.feed("Sure, [TOOL") == ["Sure, "]  # "[TOOL" may be the marker: held
+    assert stream.feed('_CALLS] [{"name": "add", "arguments": {}}') == []
+    (call,) = stream.feed("]")
+    assert call.name == "add"
+    assert len(call.id) == 9 and call.id.isalnum()  # the id Mistral templates demand
 
 
 def test_registry_lists_every_cli_choice():
@@ -133,7 +134,8 @@ def test_a_forced_call_re_renders_as_generated_in_the_real_template(
     assert grammar.matcher.accept_string(generated) and grammar.matcher.is_completed()
     content, calls = tool_call_parser(syntax, tools).parse(generated)
     assert content is None and len(calls) == 1
-    call = calls[0].model_dump()  # what the client sends back, arguments as JSON text
+    call = {"id": calls[0].id, "type": "function",  # what the client sends back
+            "function": {"name": calls[0].name, "arguments": calls[0].arguments}}
     prompt = tok.decode(render_chat(tok, USER, tools=tools))
     history = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
                {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}]  # fmt: skip
@@ -163,3 +165,15 @@ def test_parallel_forced_calls_use_the_syntax_separator(managers):
     assert grammar.matcher.accept_string(two) and grammar.matcher.is_completed()
     _, calls = tool_call_parser("mistral", TOOLS).parse(two)
     assert [c.id for c in calls] == ["aaaaaaaaa", "bbbbbbbbb"]
+
+
+def test_forced_hermes_calls_read_json_bodies_and_keep_complete_calls_only():
+    """A string argument may hold ``</tool_call>``; a call cut off is no call (the grammar
+    allows nothing else, so it is no content either in forced modes)."""
+    call_a = '<tool_call>\n{"name": "a", "arguments": {"x": "}\\n</tool_call>"}}\n</tool_call>'
+    two = call_a + '\n<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>'
+    parser = tool_call_parser("hermes", TOOLS)
+    assert [(c.name, c.arguments) for c in parser.parse(two)[1]] == [
+        ("a", '{"x": "}\\n</tool_call>"}'), ("b", "{}")]  # fmt: skip
+    for cut in (5, len(call_a) - 1, len(call_a) + 4, len(two) - 1):
+        assert len(parser.parse(two[:cut])[1]) == (1 if cut > len(call_a) else 0), cut

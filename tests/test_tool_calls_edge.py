@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from prefixserve.api.protocol import APIError, ChatCompletionRequest
-from prefixserve.api.serving_base import BaseServing
-from prefixserve.api.tool_parsers import ForcedToolCallDeltas, parse_forced_tool_calls
 
+from prefixserve.api.frontend.protocol import APIError
+from prefixserve.api.frontend.serving import BaseServing
+from prefixserve.api.openai.chat import _message_deltas
+from prefixserve.api.openai.protocol import ChatCompletionRequest
+from prefixserve.api.parsing.reply import Finish, ReplyParser, ToolMode
 from prefixserve.structured_outputs.tool_calls import tool_call_params
 
 CALL_A = '<tool_call>\n{"name": "a", "arguments": {"x": "}\\n</tool_call>"}}\n</tool_call>'
@@ -17,49 +19,40 @@ CALL_B = '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>'
 TWO = CALL_A + "\n" + CALL_B
 
 
-def _calls(tool_calls) -> list[tuple[str, str]]:
-    return [(c.function.name, c.function.arguments) for c in tool_calls]
-
-
-def test_a_call_cut_off_is_dropped_and_nothing_becomes_content():
-    assert _calls(parse_forced_tool_calls(TWO)) == [("a", '{"x": "}\\n</tool_call>"}'), ("b", "{}")]
-    for cut in (5, len(CALL_A) - 1, len(CALL_A) + 4, len(TWO) - 1):
-        whole = parse_forced_tool_calls(TWO[:cut])
-        assert len(whole) == (1 if cut > len(CALL_A) else 0), cut
-
-
-def _stream(text: str, size: int) -> list[list[dict]]:
-    deltas = ForcedToolCallDeltas()
-    return [deltas.feed(text[i : i + size]) for i in range(0, len(text), size)]
+def _entries(text: str, size: int, final: bool = True) -> list[dict]:
+    """The ``delta.tool_calls`` entries of a forced reply streamed in pieces of ``size``."""
+    parser, entries = ReplyParser(ToolMode.REQUIRED), []
+    pieces = [text[i : i + size] for i in range(0, len(text), size)] or [""]
+    for k, piece in enumerate(pieces):
+        last = final and k == len(pieces) - 1
+        for delta in _message_deltas(parser.feed(piece, Finish("length") if last else None), ""):
+            entries += delta["tool_calls"]
+    return entries
 
 
 @pytest.mark.parametrize("size", [1, 2, 5, 13, 1000])
-@pytest.mark.parametrize("cut", [None, 7, len(CALL_A), len(CALL_A) + 10, len(TWO) - 3])
-def test_streamed_forced_calls_are_the_non_streamed_ones(size, cut):
-    text = TWO[:cut]
-    entries = [e for fed in _stream(text, size) for e in fed]
+@pytest.mark.parametrize("cut, num_complete", [(None, 2), (7, 0), (len(CALL_A), 1),
+                                               (len(CALL_A) + 10, 1), (len(TWO) - 3, 1)])
+def test_streamed_forced_calls_are_the_complete_calls_one_entry_per_chunk(size, cut, num_complete):
+    """A call's id and name, then its raw arguments: two entries, only once it is complete, so a
+    call cut off (``max_tokens``) is never streamed, and nothing becomes content."""
+    entries = _entries(TWO[:cut], size)
+    complete = [("a", '{"x": "}\\n</tool_call>"}'), ("b", "{}")][:num_complete]
     names = [e for e in entries if "id" in e]
-    arguments = [e for e in entries if "id" not in e]
     assert [(e["index"], e["function"]["name"], e["function"]["arguments"]) for e in names] == [
-        (i, n, "") for i, (n, _) in enumerate(_calls(parse_forced_tool_calls(text)))
-    ]
-    streamed = [(names[e["index"]]["function"]["name"], e["function"]["arguments"])
-                for e in arguments]  # fmt: skip
-    assert streamed == _calls(parse_forced_tool_calls(text))
-    # a call's id and name come before its arguments, each call after the one before
+        (i, name, "") for i, (name, _) in enumerate(complete)]  # fmt: skip
+    arguments = [(names[e["index"]]["function"]["name"], e["function"]["arguments"])
+                 for e in entries if "id" not in e]  # fmt: skip
+    assert arguments == complete
     assert [e["index"] for e in entries] == sorted(e["index"] for e in entries)
 
 
 def test_a_call_is_streamed_only_once_complete():
-    deltas = ForcedToolCallDeltas()
-    assert deltas.feed(CALL_A[:-1]) == [] and not deltas.has_calls
-    entries = deltas.feed(CALL_A[-1])
-    assert [sorted(e) for e in entries] == [
-        ["function", "id", "index", "type"],
-        ["function", "index"],
-    ]
+    assert _entries(CALL_A[:-1], 1000, final=False) == []
+    entries = _entries(CALL_A, 1000, final=False)
+    assert [sorted(e) for e in entries] == [["function", "id", "index", "type"],
+                                            ["function", "index"]]  # fmt: skip
     assert json.loads(entries[1]["function"]["arguments"]) == {"x": "}\n</tool_call>"}
-    assert deltas.feed("\n" + CALL_B[:20]) == [] and deltas.has_calls
 
 
 @pytest.mark.parametrize("function", [{"name": "ping"}, {"name": "ping", "parameters": {}}])

@@ -17,9 +17,10 @@ import re
 import httpx
 import jsonschema
 import pytest
-from prefixserve.api.field_support import refused_fields
 from servers import MODEL, launch_server
 from tool_schemas import ADD, city_schema, weather_and_add_tools
+
+from prefixserve.api.openai.field_support import refused_fields
 
 CITY = city_schema(10)
 TOOLS = [

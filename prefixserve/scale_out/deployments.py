@@ -29,9 +29,10 @@ from ray.serve.handle import DeploymentHandle
 
 from prefixserve.api.async_engine import AsyncEngine
 from prefixserve.api.dashboard import stats as engine_stats
+from prefixserve.api.frontend.gate import drain
+from prefixserve.api.frontend.protocol import APIError
 from prefixserve.api.metrics import ServerMetrics
-from prefixserve.api.protocol import APIError
-from prefixserve.api.server import ServerConfig, build_app, drain
+from prefixserve.api.server import ServerConfig, build_app
 from prefixserve.errors import InvalidArgumentError, PrefixServeError, require
 from prefixserve.preprocessor import StepLimits
 from prefixserve.scale_out.cluster import ClusterView, cluster_router

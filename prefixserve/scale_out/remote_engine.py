@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from prefixserve.api.async_engine import RETRY_AFTER_SECONDS, EngineOverloadedError, RequestStream
-from prefixserve.api.protocol import APIError
+from prefixserve.api.frontend.protocol import APIError
 from prefixserve.outputs import RequestOutput
 from prefixserve.preprocessor import PreparedRequest, RequestPreprocessor, StepLimits
 from prefixserve.sampling_params import BeamSearchParams, SamplingParams

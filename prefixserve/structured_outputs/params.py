@@ -141,12 +141,18 @@ def _is_set(value: object) -> bool:
     return value is not None and value is not False
 
 
+def _parsed(value: object, name: str) -> object:
+    """``value``, or the value its JSON text spells."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError as e:
+        raise _invalid(f"structured_outputs.{name} is not valid JSON text ({e}).") from None
+
+
 def _check_json(value: object) -> None:
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise _invalid(f"structured_outputs.json is not valid JSON text ({e}).") from None
+    value = _parsed(value, "json")
     if not isinstance(value, (dict, bool)):
         raise _invalid(
             "structured_outputs.json must be a JSON schema: an object (or its JSON text), "
@@ -174,12 +180,7 @@ def _check_choice(value: object) -> None:
 
 
 def _check_structural_tag(value: object) -> None:
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise _invalid(f"structured_outputs.structural_tag is not valid JSON ({e}).") from None
-    check_structural_tag(value)
+    check_structural_tag(_parsed(value, "structural_tag"))
 
 
 def _check_tool_calls(value: object) -> None:

@@ -1,0 +1,1 @@
+"""Anthropic's Messages API: its request mapping, content-block encoder and errors."""

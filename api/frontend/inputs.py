@@ -1,0 +1,179 @@
+"""The shared front half: any protocol's request -> the engine's inputs, once.
+
+Chat completions, Responses and Messages each turn their own request into a ``ToolRequest`` (the
+tools the template shows and how calls come out) and a prompt; ``TemplateServing`` does the rest
+the same way for all three::
+
+    ToolRequest  --tool_mode-->  ToolMode         none | auto | required | named (400s here)
+    prompt ids   --reasoning-->  tags | None      whether the reply opens with a reasoning block
+    + format     --grammar---->  params | None    forced calls, a response format, or strict
+                                                  auto calls (hermes); after the reasoning
+    + sampling   --params----->  SamplingParams   special tokens kept in tool modes (tags)
+                                 = EngineInputs   -> add_all, then one ReplyParser per choice
+
+Invariant: a request's grammar, tool mode, reasoning tags and parameters depend only on these
+inputs, never on the protocol, so the three protocols generate the same tokens for the same
+prompt and tools. ``visible_text`` drops the EOS text that tool modes keep (special tokens are
+shown there so that tags survive detokenization).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from prefixserve.api.engine_client import EngineClient
+from prefixserve.api.frontend.protocol import APIError, ToolRequest
+from prefixserve.api.frontend.serving import BaseServing
+from prefixserve.api.frontend.tenancy import NO_TENANT, Tenant
+from prefixserve.api.parsing.reasoning import (
+    count_reasoning_tokens,
+    reasoning_parser,
+    reasoning_tags,
+)
+from prefixserve.api.parsing.reply import ReplyParser, ToolMode, forced_syntax
+from prefixserve.chat_template import render_chat
+from prefixserve.errors import InvalidArgumentError
+from prefixserve.outputs import CompletionOutput
+from prefixserve.sampling_params import BeamSearchParams, SamplingParams
+from prefixserve.structured_outputs.params import StructuredOutputsParams
+from prefixserve.structured_outputs.tool_calls import optional_tool_call_params, tool_call_params
+
+PROMPT_TAIL_TOKENS = 32  # enough of the prompt's end to see where a reasoning block stands
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInputs:
+    """What the engine gets for one request and what its replies are read with."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams | BeamSearchParams
+    mode: ToolMode
+    tools: ToolRequest
+    prompt_tail: str
+    grammar_source: str | None = None
+
+
+class TemplateServing(BaseServing):
+    """The serving base of the protocols that render a chat template (chat completions,
+    Responses, Messages): one ``--tool-call-parser``, one ``--reasoning-parser``, one content
+    format for all of them."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        served_model_names: list[str],
+        tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
+        content_format: str = "auto",
+        **options: Any,
+    ) -> None:
+        super().__init__(engine, served_model_names, **options)
+        self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
+        self.content_format = content_format
+        texts = {engine.tokenizer.decode([t]) for t in engine.eos_token_ids} - {""}
+        self.eos_texts = tuple(sorted(texts, key=len, reverse=True))
+
+    def tool_mode(self, tools: ToolRequest) -> ToolMode:
+        """How calls come out; a 400 when the choice needs tools or a parser it does not have."""
+        if not tools.tools:
+            if tools.choice != "none":
+                raise APIError(
+                    f"tool_choice: {tools.choice!r} needs tools; list the functions in tools",
+                    400,
+                    "tool_choice",
+                )
+            return ToolMode.NONE
+        if tools.choice == "auto" and self.tool_parser is None:
+            raise APIError(
+                "tool_choice: 'auto' with tools requires the server to run with "
+                "--tool-call-parser (or force a call with 'required' or a named function)",
+                400,
+                "tool_choice",
+            )
+        return ToolMode(tools.choice)
+
+    def render(self, messages: list[dict], tools: list[dict] | None, **template: Any) -> list[int]:
+        """The chat template's prompt ids (a 400 naming the field the template refused)."""
+        try:
+            return render_chat(self.engine.tokenizer, messages, tools=tools,
+                               content_format=self.content_format, **template)  # fmt: skip
+        except InvalidArgumentError as exc:
+            raise APIError(str(exc), 400, exc.param) from exc
+
+    def inputs(
+        self,
+        prompt_token_ids: list[int],
+        tools: ToolRequest,
+        sampling: Any,
+        max_tokens: int | None,
+        *,
+        structured: tuple[StructuredOutputsParams | None, str | None] = (None, None),
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        tenant: Tenant = NO_TENANT,
+    ) -> EngineInputs:
+        """The engine inputs of a request whose prompt is ``prompt_token_ids``: its tool mode,
+        grammar (``structured``: the response format and the field it came from; forced calls
+        replace it), reasoning tags and sampling parameters (``sampling``: the request's fields,
+        as ``make_params`` reads them, salted for ``tenant``)."""
+        mode = self.tool_mode(tools)
+        tail = self.engine.tokenizer.decode(prompt_token_ids[-PROMPT_TAIL_TOKENS:])
+        grammar, source = self._grammar(tools, mode, structured, reasoning_tags(
+            self.reasoning_parser, tail))  # fmt: skip
+        params = self.make_params(sampling, max_tokens, logprobs, grammar, prompt_logprobs, tenant)
+        if mode is not ToolMode.NONE and hasattr(params, "skip_special_tokens"):
+            params.skip_special_tokens = False  # tool-call tags may be special tokens
+        return EngineInputs(prompt_token_ids, params, mode, tools, tail, source)
+
+    def _grammar(
+        self,
+        tools: ToolRequest,
+        mode: ToolMode,
+        structured: tuple[StructuredOutputsParams | None, str | None],
+        reasoning: tuple[str, str] | None,
+    ) -> tuple[StructuredOutputsParams | None, str | None]:
+        """(the grammar, the request field it came from): forced calls in the forced syntax;
+        else the response format; else, with ``auto``, strict tools and hermes, the optional-call
+        grammar (it exists in that syntax alone). Every grammar applies after the reasoning."""
+        grammar, source = structured
+        try:
+            if mode.forced:
+                grammar, source = tool_call_params(
+                    tools.grammar_tools or tools.tools or [], tools.name, tools.parallel,
+                    forced_syntax(self.tool_parser), reasoning,
+                ), "tool_choice"  # fmt: skip
+            elif grammar is None and mode is ToolMode.AUTO and tools.strict and (
+                self.tool_parser == "hermes"
+            ):
+                grammar = optional_tool_call_params(tools.grammar_tools or tools.tools or [],
+                                                    set(tools.strict), tools.parallel)  # fmt: skip
+                source = "tools"
+        except InvalidArgumentError as exc:
+            raise APIError(str(exc), 400, exc.param) from exc
+        if grammar is not None and reasoning is not None:
+            grammar = dataclasses.replace(grammar, reasoning=reasoning)
+        return grammar, source
+
+    def reply_parser(self, inputs: EngineInputs) -> ReplyParser:
+        """A fresh parser for one reply (one per choice)."""
+        reasoner = None
+        if self.reasoning_parser is not None:
+            reasoner = reasoning_parser(self.reasoning_parser, inputs.prompt_tail)
+        tools = inputs.tools
+        return ReplyParser(inputs.mode, self.tool_parser, tools.grammar_tools or tools.tools,
+                           reasoner, tools.parallel)  # fmt: skip
+
+    def visible_text(self, c: CompletionOutput, mode: ToolMode) -> str:
+        """The output text, less the EOS text that tool modes keep (special tokens shown)."""
+        if mode is not ToolMode.NONE and c.finish_reason == "stop":
+            for eos in self.eos_texts:
+                if c.text.endswith(eos):
+                    return c.text[: -len(eos)]
+        return c.text
+
+    def reasoning_tokens(self, token_ids: list[int], reasoning: str | None) -> int:
+        """How many of an output's tokens are reasoning (``reasoning``: None without a block)."""
+        return count_reasoning_tokens(self.engine.tokenizer, token_ids, reasoning)

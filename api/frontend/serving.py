@@ -1,0 +1,269 @@
+"""What every protocol front shares below its wire format: model check, engine parameters,
+admission, and collecting a non-streamed reply.
+
+A request becomes one or more engine requests (one per prompt), admitted whole or refused whole
+(503 when the waiting queue is full). Every engine request a handler added is aborted when the
+handler ends before it finished (client gone, error, timeout, cancellation); streams are driven by
+``stream.drive``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from fastapi import Request
+
+from prefixserve.api.async_engine import RequestStream
+from prefixserve.api.engine_client import EngineClient
+from prefixserve.api.frontend.protocol import APIError
+from prefixserve.api.frontend.tenancy import NO_TENANT, Tenant
+from prefixserve.errors import CacheCapacityError, InvalidArgumentError
+from prefixserve.outputs import RequestOutput
+from prefixserve.sampling_params import BeamSearchParams, SamplingParams
+from prefixserve.structured_outputs.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+
+class BaseServing:
+    """What every endpoint shares. ``request_timeout`` (seconds) bounds each request's time in
+    the engine; ``require_cache_salt`` refuses requests without a ``cache_salt`` (every tenant
+    must name its cache namespace)."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        served_model_names: list[str],
+        request_timeout: float | None = None,
+        require_cache_salt: bool = False,
+    ) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.request_timeout = request_timeout
+        self.require_cache_salt = require_cache_salt
+        self._token_text: dict[int, str] = {}
+
+    def check_model(self, model: str | None) -> str:
+        if model is not None and model not in self.served_model_names:
+            raise APIError(f"The model `{model}` does not exist.", 404, "model")
+        return self.served_model_names[0]
+
+    def token_text(self, token_id: int, as_id: bool = False) -> str:
+        """A token's text, or ``token_id:N`` (``return_tokens_as_token_ids``)."""
+        if as_id:
+            return f"token_id:{token_id}"
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.engine.tokenizer.decode([token_id])
+        return text
+
+    def prompt_logprobs(
+        self, entries: list[dict[int, float] | None], k: int, computed_k: int, as_ids: bool
+    ) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id: {logprob,
+        rank, decoded_token}} for the prompt token and the k most likely tokens.
+
+        The engine computed each entry with ``computed_k`` >= k: the prompt token first, then
+        the true top ``computed_k``, so the order among those is exact. The prompt token's rank
+        is known when it is one of them; otherwise it is None (the engine ranks only the top).
+        """
+        out: list[dict[str, Any] | None] = []
+        for entry in entries:
+            if entry is None:
+                out.append(None)
+                continue
+            target = next(iter(entry))  # the engine puts the prompt token first
+            ranked = sorted(entry, key=entry.__getitem__, reverse=True)
+            known = len(entry) == computed_k  # the prompt token is one of the true top k
+            ranks = {tid: r for r, tid in enumerate(ranked, 1) if tid != target or known}
+            kept = ranked[:k] + ([target] if target not in ranked[:k] else [])
+            out.append({
+                str(tid): {"logprob": entry[tid], "rank": ranks.get(tid),
+                           "decoded_token": self.token_text(tid, as_ids)}
+                for tid in kept
+            })  # fmt: skip
+        return out
+
+    def make_params(
+        self,
+        req,
+        max_tokens: int | None,
+        logprobs: int | None,
+        structured_outputs: StructuredOutputsParams | None = None,
+        prompt_logprobs: int | None = None,
+        tenant: Tenant = NO_TENANT,
+    ):
+        """Engine parameters of a request (the engine checks them against the context and the
+        vocabulary); its cache salt is the ``tenant``'s (``frontend.tenancy``)."""
+        if self.require_cache_salt and not req.cache_salt:
+            raise APIError(
+                "cache_salt: this server requires a non-empty 'cache_salt' on every request "
+                "(it isolates your prefix cache from other tenants); add one",
+                400,
+                "cache_salt",
+            )
+        try:
+            if req.use_beam_search:
+                self._check_beam_search(req, logprobs, prompt_logprobs)
+                return BeamSearchParams(
+                    beam_width=req.n,
+                    max_tokens=max_tokens,
+                    length_penalty=req.length_penalty,
+                    ignore_eos=req.ignore_eos,
+                    cache_salt=tenant.cache_salt(req.cache_salt),
+                    stop_token_ids=list(req.stop_token_ids or []),
+                    structured_outputs=structured_outputs,
+                    stop=req.stop,
+                    include_stop_str_in_output=req.include_stop_str_in_output,
+                    skip_special_tokens=req.skip_special_tokens,
+                )
+            return SamplingParams(
+                n=req.n,
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=0 if req.top_k is None else req.top_k,
+                min_p=0.0 if req.min_p is None else req.min_p,
+                seed=req.seed,
+                stop=req.stop,
+                stop_token_ids=req.stop_token_ids,
+                logprobs=logprobs,
+                ignore_eos=req.ignore_eos,
+                min_tokens=req.min_tokens,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
+                cache_salt=tenant.cache_salt(req.cache_salt),
+                skip_special_tokens=req.skip_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                structured_outputs=structured_outputs,
+                prompt_logprobs=prompt_logprobs,
+                logit_bias=_logit_bias(req.logit_bias),
+                allowed_token_ids=req.allowed_token_ids,
+                bad_words=req.bad_words,
+                truncate_prompt_tokens=req.truncate_prompt_tokens,
+            )
+        except InvalidArgumentError as exc:
+            raise APIError(str(exc), 400, exc.param) from exc
+
+    @staticmethod
+    def _check_beam_search(req, logprobs: int | None, prompt_logprobs: int | None) -> None:
+        """Beam search scores with the raw model: options it would not honour are refused
+        (sampling controls at values other than their neutral ones included; ``seed`` is
+        accepted, the search being deterministic)."""
+        given = {
+            "temperature": req.temperature not in (None, 0),
+            "top_p": req.top_p not in (None, 1),
+            "top_k": req.top_k not in (None, 0, -1),
+            "min_p": req.min_p not in (None, 0),
+            "presence_penalty": req.presence_penalty != 0,
+            "frequency_penalty": req.frequency_penalty != 0,
+            "repetition_penalty": req.repetition_penalty != 1,
+            "logprobs": logprobs is not None,
+            "prompt_logprobs": prompt_logprobs is not None,
+            "logit_bias": bool(req.logit_bias),
+            "allowed_token_ids": req.allowed_token_ids is not None,
+            "bad_words": bool(req.bad_words),
+            "truncate_prompt_tokens": req.truncate_prompt_tokens is not None,
+            "min_tokens": req.min_tokens > 0,
+        }
+        for name, is_set in given.items():
+            if is_set:
+                raise APIError(f"{name}: not supported with use_beam_search", 400, name)
+
+    async def add_all(
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        params_list: list,
+        prompt_param: str,
+        grammar_param: str | None = None,
+    ) -> list[RequestStream]:
+        """Prepare every prompt (tokens, validation, grammar compiled once), then add one engine
+        request per prompt. A refusal is a 400 before anything is queued (the engine's "prompt"
+        parameter is reported as ``prompt_param``, a grammar that cannot compile as
+        ``grammar_param``); a later one aborts those added.
+
+        Raises ``EngineOverloadedError`` (503) before adding anything when the queue is full.
+        """
+        try:
+            prepared = [self.engine.prepare(p, params) for p, params in zip(prompts, params_list)]
+            for request in prepared:
+                if request.grammar is not None:
+                    await asyncio.wrap_future(request.grammar)
+        except InvalidArgumentError as exc:
+            param = prompt_param if exc.param == "prompt" else exc.param
+            if exc.param == "structured_outputs" and grammar_param is not None:
+                param = grammar_param
+            raise APIError(str(exc), 400, param) from exc
+        self.engine.admit(len(prepared))
+        streams: list[RequestStream] = []
+        try:
+            for i, request in enumerate(prepared):
+                streams.append(
+                    await self.engine.add(
+                        f"{request_id}-{i}", request, timeout=self.request_timeout
+                    )
+                )
+        except (InvalidArgumentError, CacheCapacityError) as exc:
+            self.abort_all(streams)
+            param = getattr(exc, "param", None)
+            raise APIError(str(exc), 400, prompt_param if param == "prompt" else param) from exc
+        except BaseException:
+            self.abort_all(streams)
+            raise
+        return streams
+
+    def abort_all(self, streams: list[RequestStream]) -> None:
+        for stream in streams:
+            if not stream.finished:
+                self.engine.abort(stream.request_id)
+
+    async def collect(
+        self, raw_request: Request, streams: list[RequestStream]
+    ) -> list[RequestOutput]:
+        """Final outputs of every stream; aborts all of them if the client disconnects first."""
+        watcher = asyncio.create_task(_wait_disconnect(raw_request))
+        try:
+            finals: list[RequestOutput] = []
+            for stream in streams:
+                waiter = asyncio.ensure_future(_last(stream))
+                done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if waiter not in done:
+                    waiter.cancel()
+                    logger.info("client disconnected; aborting %s", stream.request_id)
+                    raise APIError("client disconnected", 499)
+                finals.append(waiter.result())
+            return finals
+        finally:
+            watcher.cancel()
+            self.abort_all(streams)
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise APIError(
+                f"logit_bias: {key!r} is not a token id; the keys are token ids", 400, "logit_bias"
+            ) from None
+    return out
+
+
+async def _last(stream: RequestStream) -> RequestOutput:
+    last = None
+    async for out in stream:
+        last = out
+    assert last is not None and last.finished
+    return last
+
+
+async def _wait_disconnect(raw_request: Request) -> None:
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass

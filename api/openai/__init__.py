@@ -1,0 +1,1 @@
+"""OpenAI's wire formats: chat completions, text completions and the Responses API."""

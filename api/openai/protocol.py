@@ -1,0 +1,262 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic 2).
+
+Requests accept and ignore unknown fields, as OpenAI clients send extras freely. Validation here is
+about shapes and about the bounds that keep one request's cost bounded (``n``, ``logprobs``,
+``seed``); the other value ranges are checked by ``SamplingParams`` so both APIs share one set of
+rules.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, Field
+
+from prefixserve.api.frontend.protocol import APIError, Lenient, ToolRequest, random_id
+from prefixserve.sampling_params import MAX_LOGPROBS
+
+MAX_N = 16
+"""Most choices (``n``, or beams) one request may ask for."""
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+_ChoiceT = TypeVar("_ChoiceT", bound=BaseModel)
+
+
+class StreamOptions(Lenient):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage on every chunk (vLLM)
+
+
+class FunctionDefinition(Lenient):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDefinition(Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class _SamplingFields(Lenient):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    cache_salt: str | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    user: str | None = None
+    # structured outputs: one of these (see BaseServing.structured_outputs)
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    request_id: str | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def tool_request(self) -> ToolRequest:
+        """The request's tools and tool choice (a 400 for a shape OpenAI does not define)."""
+        choice = self.tool_choice
+        named = isinstance(choice, dict)
+        if named and not isinstance((choice.get("function") or {}).get("name"), str):
+            raise APIError(
+                'tool_choice: a named choice is {"type": "function", "function": {"name": ...}}',
+                400,
+                "tool_choice",
+            )
+        if choice not in (None, "none", "auto", "required") and not named:
+            raise APIError(
+                f"tool_choice: {choice!r} is not supported; use 'none', 'auto', 'required' or "
+                '{"type": "function", "function": {"name": ...}}',
+                400,
+                "tool_choice",
+            )
+        if self.tools is not None and not self.tools:
+            raise APIError(
+                "tools: must not be empty; list at least one function or leave tools out",
+                400,
+                "tools",
+            )
+        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+        kind = "named" if named else choice or ("auto" if tools else "none")
+        name = choice["function"]["name"] if named else None
+        return ToolRequest(tools, kind, name, self.parallel_tool_calls)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    add_special_tokens: bool = True
+
+
+class TokenizeRequest(Lenient):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[ToolDefinition] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Lenient):
+    model: str | None = None
+    tokens: list[int]
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails | None = None  # with --reasoning-parser
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("call_"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class _Choice(BaseModel):
+    """What a choice of any completion carries: where it stands, its logprobs, why it ended."""
+
+    index: int
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatChoice(_Choice):
+    message: ChatMessage
+    token_ids: list[int] | None = None  # return_token_ids
+
+
+class _CompletionResponseFields(BaseModel, Generic[_ChoiceT]):
+    """What every non-streaming completion response carries, in wire order; a subclass pins
+    ``object`` (a redeclared field keeps its place) and appends its own fields after ``usage``."""
+
+    id: str
+    object: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[_ChoiceT]
+    usage: Usage
+
+
+class ChatCompletionResponse(_CompletionResponseFields[ChatChoice]):
+    object: Literal["chat.completion"] = "chat.completion"
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
+
+
+class CompletionChoice(_Choice):
+    text: str
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
+    token_ids: list[int] | None = None
+
+
+class CompletionResponse(_CompletionResponseFields[CompletionChoice]):
+    object: Literal["text_completion"] = "text_completion"
+
+
+class ModelCard(BaseModel):
+    """A served model in OpenAI's shape, with the fields Anthropic's clients read added
+    (``type``, ``display_name``, ``created_at``), so both SDKs list the same models."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "prefixserve"
+    root: str | None = None
+    max_model_len: int | None = None
+    type: Literal["model"] = "model"
+    display_name: str = ""
+    created_at: str = ""
+
+    def model_post_init(self, _: Any) -> None:
+        self.display_name = self.display_name or self.id
+        when = time.gmtime(self.created)
+        self.created_at = self.created_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", when)
+
+
+class ModelList(BaseModel):
+    """OpenAI's list, with Anthropic's paging fields (one page holds every model)."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None
+
+    def model_post_init(self, _: Any) -> None:
+        if self.data:
+            self.first_id, self.last_id = self.data[0].id, self.data[-1].id

@@ -1,0 +1,336 @@
+"""POST /v1/responses (OpenAI's Responses API) and its stored responses: GET, DELETE and
+input_items of /v1/responses/{id}.
+
+A request's items become chat messages (``items``) rendered by the chat template with its
+function tools; the shared front half (``frontend.inputs``) turns ``tool_choice``, the tools'
+``strict`` and ``text.format`` into the tool mode, grammar and parameters, as for chat
+completions. With ``previous_response_id`` the prompt is the stored response's own token ids plus
+the new items' tokens, verified against the template (``continuation``). The reply's parts become
+typed output items and stream events (``output``) in one ``ResponseTurn``.
+
+A stored response (``store``, the default) is written before ``response.completed`` is sent, so
+a client may continue it at once. Everything is keyed by tenant (``frontend.tenancy``: the API
+key's identity and ``cache_salt``); ``store: false`` keeps nothing (but on a WebSocket
+connection, for as long as it lives). Continuations and truncations are counted once
+the engine accepted the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from array import array
+from collections import Counter
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from prefixserve.api.async_engine import RequestStream
+from prefixserve.api.frontend.inputs import TemplateServing, ToolRequest
+from prefixserve.api.frontend.protocol import APIError, random_id
+from prefixserve.api.frontend.stream import event_stream
+from prefixserve.api.frontend.tenancy import Tenant, tenant_of
+from prefixserve.api.openai.protocol import _SamplingFields
+from prefixserve.api.openai.responses.continuation import (
+    Prompt,
+    continue_prompt,
+    output_text,
+    render_prompt,
+)
+from prefixserve.api.openai.responses.items import (
+    normalize_input,
+    reasoning_text,
+    split_trailing_reasoning,
+    to_messages,
+)
+from prefixserve.api.openai.responses.output import ResponseOutput
+from prefixserve.api.openai.responses.protocol import (
+    ResponsesRequest,
+    check_supported,
+    thinking_of,
+)
+from prefixserve.api.openai.responses.store import Record, ResponseStore, StoredResponse
+from prefixserve.api.openai.responses.tools import JSON_ARGUMENTS, ResponsesTools, chat_tools
+from prefixserve.api.openai.responses.truncation import truncate
+from prefixserve.api.openai.responses.turn import LOGPROBS, ResponseTurn
+from prefixserve.api.parsing.reasoning import THINK_END, THINK_START, starts_in_reasoning
+from prefixserve.api.parsing.reply import Finish, forced_syntax
+from prefixserve.chat_template import render_chat_text
+from prefixserve.errors import InvalidArgumentError
+from prefixserve.structured_outputs.params import StructuredOutputsParams
+
+
+class ResponsesServing(TemplateServing):
+    """``continuations`` counts requests that named a previous response, by how their prompt was
+    built: ``token_exact`` (spliced), ``rerendered`` (the template rewrote history) or
+    ``truncated`` (``truncation: "auto"`` dropped old turns); ``truncations`` counts every
+    request that lost turns so."""
+
+    def __init__(self, engine, served_model_names: list[str], store: ResponseStore,
+                 hosted_tools: str = "accept", **options) -> None:  # fmt: skip
+        super().__init__(engine, served_model_names, **options)
+        self.store = store
+        self.hosted_tools = hosted_tools
+        self.continuations = {"token_exact": 0, "rerendered": 0, "truncated": 0}
+        self.truncations = 0
+        self.tools_not_offered: Counter[str] = Counter()
+        self.thinking_switch = "enable_thinking" in str(engine.tokenizer.chat_template or "")
+
+    def stats(self) -> dict:
+        """The Responses figures of /stats (the same values as the Prometheus metrics)."""
+        return {
+            "responses_continuations_token_exact": self.continuations["token_exact"],
+            "responses_continuations_rerendered": self.continuations["rerendered"],
+            "responses_continuations_truncated": self.continuations["truncated"],
+            "responses_truncations": self.truncations,
+            "responses_store_entries": len(self.store),
+            "responses_store_bytes": self.store.nbytes,
+            "responses_store_evictions": self.store.evictions,
+        }
+
+    # -- the stored responses ------------------------------------------------------------------
+
+    def lookup(self, tenant: Tenant, response_id: str, cache_salt: str | None,
+               param: str | None = None, connection: str | None = None) -> StoredResponse:  # fmt: skip
+        """The caller's response ``response_id`` with its conversation (a WebSocket
+        ``connection``'s own responses too), or a 404."""
+        namespaces = (tenant.namespace(cache_salt), *((connection,) if connection else ()))
+        chain = self.store.chain(response_id, namespaces)
+        if chain is None:
+            raise APIError(f"Response with id '{response_id}' not found.", 404, param)
+        return self._conversation(chain)
+
+    def _conversation(self, chain: list[Record]) -> StoredResponse:
+        """A response rebuilt from its records (``store``), root first."""
+        items: list[dict] = []
+        outputs: list[dict] = []
+        text: str | None = None
+        ids, out_ids = array("i"), array("i")
+        for r in chain:
+            items = r.new_items if r.parent is None else items + outputs + r.new_items
+            if not r.prompt_known:
+                text = None
+            elif r.spliced is None:
+                text, ids = r.text_delta, r.ids_delta
+            elif text is not None:
+                kept = out_ids[: r.spliced - len(ids)]
+                text = text + output_text(self.engine.tokenizer, kept) + r.text_delta
+                ids = ids + kept + r.ids_delta
+            outputs, out_ids = r.output_items, r.output_ids
+        body = {**chain[-1].response, "output": outputs}
+        return StoredResponse(body, items, outputs, text, ids, out_ids)
+
+    def delete(self, tenant: Tenant, response_id: str, cache_salt: str | None) -> dict:
+        if not self.store.delete(response_id, tenant.namespace(cache_salt)):
+            raise APIError(f"Response with id '{response_id}' not found.", 404)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    def input_items(self, entry: StoredResponse, limit: int, order: str, after: str | None) -> dict:
+        """OpenAI's list page of a response's input items (``order`` "desc" is newest first)."""
+        if order not in ("asc", "desc") or not 1 <= limit <= 100:
+            raise APIError("order: 'asc' or 'desc'; limit: 1 to 100", 400, "order")
+        items = entry.items if order == "asc" else entry.items[::-1]
+        if after is not None:
+            ids = [item.get("id") for item in items]
+            if after not in ids:
+                raise APIError(f"after: no input item with id {after!r}", 400, "after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return {"object": "list", "data": page, "has_more": len(items) > limit,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None}  # fmt: skip
+
+    # -- POST /v1/responses --------------------------------------------------------------------
+
+    async def create(self, req: ResponsesRequest, raw_request: Request):
+        """The response (a JSON body or an event stream), with ``_notices`` as headers."""
+        turn, streams = await self.start(req, tenant_of(raw_request))
+        if req.stream:
+            return event_stream(turn.sse(streams), turn.headers)
+        final = (await self.collect(raw_request, streams))[0]
+        c = final.outputs[0]
+        output = turn.output()
+        if req.generate:
+            output.feed(self.visible_text(c, turn.inputs.mode),
+                        self.logprobs_of(req, c.logprobs, c.token_ids),
+                        Finish(c.finish_reason, c.stop_reason))  # fmt: skip
+            output.finish(turn.status(c))
+        return JSONResponse(turn.complete(final, output), headers=turn.headers)
+
+    async def start(
+        self, req: ResponsesRequest, tenant: Tenant, connection: str | None = None
+    ) -> tuple[ResponseTurn, list[RequestStream]]:
+        """Check and prepare ``req``, add its engine request: (its turn, its stream).
+
+        ``connection``: a WebSocket connection's store namespace, where its ``store: false``
+        responses are kept while it lives (counted against the same bounds). ``generate: false`` (Codex's warm-up) renders the conversation without a
+        generation prompt and runs it as a prefill whose one sampled token is discarded.
+        """
+        model = self.check_model(req.model)
+        check_supported(req)
+        prev = None
+        if req.previous_response_id is not None:
+            prev = self.lookup(tenant, req.previous_response_id, req.cache_salt,
+                               "previous_response_id", connection)  # fmt: skip
+        new_items = normalize_input(req.input)
+        history = prev.items + prev.output_items if prev else []
+        offered = chat_tools(req.tools, self.hosted_tools,
+                             forced_syntax(self.tool_parser) in JSON_ARGUMENTS)  # fmt: skip
+        tools = self._tool_request(req, offered)
+        self.tool_mode(tools)  # a bad tool choice is a 400 before anything is rendered
+        prompt, items = await asyncio.to_thread(self._fitted_prompt, req, prev,
+                                                history + new_items, offered.functions)  # fmt: skip
+        logprobs = (req.top_logprobs or 0) if LOGPROBS in (req.include or []) else None
+        sampling = _SamplingFields(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                                   cache_salt=req.cache_salt)  # fmt: skip
+        inputs = self.inputs(prompt.token_ids, tools, sampling, req.max_output_tokens,
+                             structured=_text_format(req, tools), logprobs=logprobs,
+                             tenant=tenant)  # fmt: skip
+        if not req.generate:
+            inputs.params.max_tokens = 1
+        response_id = random_id("resp_")
+        streams = await self.add_all(response_id, [prompt.token_ids], [inputs.params], "input",
+                                     inputs.grammar_source)  # fmt: skip
+        truncated = len(items) < len(history) + len(new_items)
+        self.truncations += truncated
+        self.tools_not_offered.update(offered.not_offered)
+        if prev is not None:
+            kind = "token_exact" if prompt.token_exact else "rerendered"
+            self.continuations["truncated" if truncated else kind] += 1
+
+        def new_output() -> ResponseOutput:
+            return ResponseOutput(self.reply_parser(inputs), LOGPROBS in (req.include or []),
+                                  offered.namespaces, offered.custom)  # fmt: skip
+
+        parent = None if prev is None or truncated else req.previous_response_id
+        owner = (tenant, connection, parent, len(history))
+        turn = ResponseTurn(self, req, response_id, model, owner, items, prompt,
+                            (inputs, new_output))  # fmt: skip
+        turn.headers = self._notices(req, offered)
+        return turn, streams
+
+    def _notices(self, req: ResponsesRequest, offered: ResponsesTools) -> dict[str, str]:
+        """Response headers naming what the request asked for and did not get."""
+        ignored = [name for name, given in (
+            ("reasoning.effort", thinking_of(req) is not None and not self.thinking_switch),
+            ("text.verbosity", (req.text or {}).get("verbosity") is not None),
+        ) if given]  # fmt: skip
+        headers = {"x-prefixserve-ignored": ", ".join(ignored)} if ignored else {}
+        if offered.not_offered:
+            headers["x-prefixserve-tools-not-offered"] = ", ".join(offered.not_offered)
+        return headers
+
+    @staticmethod
+    def _tool_request(req: ResponsesRequest, offered: ResponsesTools) -> ToolRequest:
+        choice = req.tool_choice
+        named = isinstance(choice, dict)
+        if named and (choice.get("type") not in ("function", "custom")
+                      or not isinstance(choice.get("name"), str)):  # fmt: skip
+            raise APIError(
+                'tool_choice: the supported object is {"type": "function" | "custom", "name": ...}',
+                400,
+                "tool_choice",
+            )
+        if not named and choice not in ("none", "auto", "required"):
+            raise APIError(
+                f"tool_choice: {choice!r} is not supported; use 'none', 'auto', 'required' or "
+                '{"type": "function", "name": ...}',
+                400,
+                "tool_choice",
+            )
+        kind = "named" if named else choice
+        if not offered.functions and kind == "auto":
+            kind = "none"
+        return ToolRequest(offered.functions, kind, choice["name"] if named else None,
+                           req.parallel_tool_calls, offered.strict,
+                           offered.grammar_functions)  # fmt: skip
+
+    def _fitted_prompt(self, req: ResponsesRequest, prev: StoredResponse | None,
+                       items: list[dict], tools: list[dict] | None) -> tuple[Prompt, list[dict]]:  # fmt: skip
+        """(the prompt, the items it renders): with ``truncation: "auto"``, a prompt over the
+        context (with room for ``max_output_tokens``) loses its oldest turns
+        (``responses_truncation``), and is then a full rendering."""
+        prompt = self._prompt(req, prev, items, tools)
+        room = self.engine.max_model_len - (req.max_output_tokens or 1)
+        if req.truncation != "auto" or len(prompt.token_ids) <= room:
+            return prompt, items
+        cut = truncate(items, lambda kept: self._prompt(req, None, kept, tools),
+                       lambda p: len(p.token_ids) <= room)  # fmt: skip
+        return cut if cut is not None else (prompt, items)
+
+    def _prompt(self, req: ResponsesRequest, prev: StoredResponse | None,
+                items: list[dict], tools: list[dict] | None) -> Prompt:  # fmt: skip
+        items, trailing = split_trailing_reasoning(items)
+        messages = to_messages(items)
+        if req.instructions:
+            messages.insert(0, {"role": "system", "content": req.instructions})
+        if not messages:
+            raise APIError("input: give at least one item (or instructions)", 400, "input")
+        try:
+            thinking = thinking_of(req) if self.thinking_switch else None
+            text = render_chat_text(self.engine.tokenizer, messages, tools=tools,
+                                    add_generation_prompt=req.generate,
+                                    content_format=self.content_format,
+                                    chat_template_kwargs=None if thinking is None else {
+                                        "enable_thinking": thinking})  # fmt: skip
+        except InvalidArgumentError as exc:
+            raise APIError(str(exc), 400, "input") from exc
+        text += self._reasoning_prefill(text, trailing)
+        if prev is None or prev.prompt_text is None:  # nothing to splice (or not after a restart)
+            return render_prompt(self.engine.tokenizer, text)
+        return continue_prompt(
+            self.engine.tokenizer, prev.prompt_text, prev.prompt_token_ids,
+            prev.output_token_ids, text, self.engine.eos_token_ids,
+        )  # fmt: skip
+
+    def _reasoning_prefill(self, prompt: str, trailing: list[dict]) -> str:
+        """The reply's start that trailing reasoning items write: the reasoning block as the
+        model writes it (``<think>`` unless the prompt opened it), closed unless the last item is
+        ``incomplete`` (a reply cut off inside its reasoning goes on reasoning)."""
+        if not trailing:
+            return ""
+        text = "\n".join(reasoning_text(i, item) for i, item in enumerate(trailing))
+        opened = starts_in_reasoning(self.reasoning_parser or "qwen3", prompt)
+        closed = trailing[-1].get("status") != "incomplete"
+        return ("" if opened else THINK_START) + text + (THINK_END + "\n\n" if closed else "")
+
+    def logprobs_of(self, req: ResponsesRequest, entries: list[dict[int, float]] | None,
+                  token_ids: list[int]) -> list[dict] | None:  # fmt: skip
+        """OpenAI's ``logprobs`` of output text: per token its text, bytes, logprob and the top
+        ``top_logprobs``."""
+        if entries is None:
+            return None
+
+        def item(token_id: int, logprob: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        k = req.top_logprobs or 0
+        out = []
+        for entry, token in zip(entries, token_ids):
+            top = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:k]
+            out.append({**item(token, entry[token]), "top_logprobs": [item(*t) for t in top]})
+        return out
+
+
+def _text_format(
+    req: ResponsesRequest, tools: ToolRequest
+) -> tuple[StructuredOutputsParams | None, str | None]:
+    """``text.format`` as a grammar and its field (a forced call writes no text, so the front half
+    applies it to the turns that write text)."""
+    fmt = (req.text or {}).get("format") or {"type": "text"}
+    kind = fmt.get("type")
+    try:
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True), "text"
+        if kind == "json_schema" and isinstance(fmt.get("schema"), (dict, bool)):
+            return StructuredOutputsParams(json=fmt["schema"]), "text"
+    except InvalidArgumentError as exc:
+        raise APIError(str(exc), 400, "text") from exc
+    if kind == "text":
+        return None, None
+    raise APIError(
+        "text.format: use {'type': 'text'}, {'type': 'json_object'} or {'type': "
+        "'json_schema', 'name': ..., 'schema': {...}}",
+        400,
+        "text",
+    )

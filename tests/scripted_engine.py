@@ -1,0 +1,93 @@
+"""An ``EngineClient`` whose replies are scripted text, for testing the protocol fronts over HTTP
+with exact model output (a random-weight model never writes a given tool call).
+
+``ScriptedEngine(tokenizer, replies)``: each added request takes the next reply, a list of text
+pieces streamed as cumulative outputs (the last one finishes with ``finish_reason``, "stop" by
+default, "length" when the reply is given as ``Reply(pieces, "length")``); it records every
+prompt and its parameters (``requests``); with ``overloaded`` every request is refused with a
+503. ``scripted_client(engine, **config)`` serves the real
+app (``build_app``) on it in process and yields an ``httpx.Client``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+from prefixserve.api.async_engine import EngineOverloadedError, RequestStream
+from prefixserve.api.server import ServerConfig, build_app
+from prefixserve.models.builtin import builtin_tokenizer
+from prefixserve.outputs import CompletionOutput, RequestOutput
+
+
+@dataclass
+class Reply:
+    pieces: list[str]
+    finish_reason: str = "stop"
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class ScriptedEngine:
+    tokenizer: Any = field(default_factory=builtin_tokenizer)
+    replies: list[Reply | list[str]] = field(default_factory=list)
+    model_name: str = "scripted"
+    max_model_len: int = 4096
+    prefix_cache_block_size: int | None = 16
+    dead: BaseException | None = None
+    requests: list[tuple[list[int], Any]] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    overloaded: bool = False  # admit refuses with a 503
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset({self.tokenizer.eos_token_id})
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def prepare(self, prompt: list[int], params: Any) -> SimpleNamespace:
+        return SimpleNamespace(prompt_token_ids=list(prompt), params=params, grammar=None)
+
+    def admit(self, count: int) -> None:
+        if self.overloaded:
+            raise EngineOverloadedError("the queue is full")
+
+    async def add(self, request_id: str, prepared: Any, *, timeout: float | None = None):
+        self.requests.append((prepared.prompt_token_ids, prepared.params))
+        reply = self.replies.pop(0) if self.replies else Reply(["ok"])
+        reply = reply if isinstance(reply, Reply) else Reply(reply)
+        stream = RequestStream.create(request_id)
+        stream.settle_accepted(None)
+        text, prompt = "", prepared.prompt_token_ids
+        for i, piece in enumerate(reply.pieces):
+            text += piece
+            last = i == len(reply.pieces) - 1
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            c = CompletionOutput(0, text, ids, finish_reason=reply.finish_reason if last else None,
+                                 stop_reason=reply.stop_reason if last else None)  # fmt: skip
+            stream.queue.put_nowait(RequestOutput(request_id, None, prompt, [c], last))
+        await asyncio.sleep(0)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def fail_all(self, error: BaseException) -> None:
+        pass
+
+
+@contextmanager
+def scripted_client(engine: ScriptedEngine, **config: Any) -> Iterator[TestClient]:
+    app = build_app(engine, ServerConfig(served_model_names=["m"], **config))
+    with TestClient(app) as client:
+        yield client
