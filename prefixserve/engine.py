@@ -147,6 +147,7 @@ class LLMEngine:
         self.step_times = StepTimes()
         self.num_steps = 0
         torch.manual_seed(config.seed)
+        self._publish_kv_events()  # what a restart found in the disk tier
 
     @staticmethod
     def _kv_events(config: EngineConfig):

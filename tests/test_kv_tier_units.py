@@ -15,6 +15,7 @@ from prefixserve.kv.block_pool import BlockPool
 from prefixserve.kv.retention import KVRetention, RetentionTable
 from prefixserve.kv.tiers import codec, payload
 from prefixserve.kv.tiers.base import TierUnavailableError
+from prefixserve.kv.tiers.block_io import kv_fingerprint
 from prefixserve.kv.tiers.cost import LoadCost
 from prefixserve.kv.tiers.disk import DiskTier
 from prefixserve.kv.tiers.host import HostTier
@@ -309,3 +310,16 @@ def test_cost_model_skips_tiers_slower_than_recomputing():
     cost.observe_load("SHARED", num_blocks=1, seconds=0.5)
     assert cost.worth_loading("DISK") and not cost.worth_loading("SHARED")
     assert cost.snapshot()["recompute_s_per_block"] == pytest.approx(0.016)
+
+
+def test_fingerprint_names_weights_dtype_block_size_and_layout():
+    model = torch.nn.Linear(4, 4)
+    cache = torch.zeros(2, 2, 8, 4, 2, 8)
+    base = kv_fingerprint(model, cache, 4)
+    assert base == kv_fingerprint(model, cache.clone(), 4)
+    assert base != kv_fingerprint(model, cache.to(torch.bfloat16), 4)
+    assert base != kv_fingerprint(model, cache, 8)
+    assert base != kv_fingerprint(model, torch.zeros(2, 2, 8, 4, 1, 16), 4)
+    with torch.no_grad():
+        model.weight[0, 0] += 1
+    assert base != kv_fingerprint(model, cache, 4)
