@@ -418,17 +418,34 @@ class KVCacheManager:
                 self._cancelled_loads.discard(load_id)
             else:
                 self._finished_loads.add(load_id)
-            num = min(len(loaded), max(0, self.pool.num_available_blocks - self.watermark_blocks))
-            loaded = [(key, kv) for key, kv in loaded[:num]
-                      if self.pool.get_cached_block(key.block_hash, key.token_ids) is None]  # fmt: skip
-            if not loaded:
-                continue
+            if loaded:
+                self._apply_load(loaded)
+
+    def _apply_load(self, loaded: list) -> None:
+        # the chain's blocks still in the pool are held meanwhile: allocating room for the
+        # loaded blocks must not evict the prefix they continue
+        chain = self._pool_chain(loaded[0][0].parent_hash)
+        self.pool.touch(chain)
+        num = min(len(loaded), max(0, self.pool.num_available_blocks - self.watermark_blocks))
+        loaded = [(key, kv) for key, kv in loaded[:num]
+                  if self.pool.get_cached_block(key.block_hash, key.token_ids) is None]  # fmt: skip
+        if loaded:
             blocks = self.pool.allocate(len(loaded))
             self.tiers.write_blocks([b.block_id for b in blocks], [kv for _, kv in loaded])
             for block, (key, _) in zip(blocks, loaded):
                 self.pool.cache_block(block, key.block_hash, key.token_ids, key.parent_hash)
             self.pool.free(reversed(blocks))
             self._loaded_blocks += len(blocks)
+        self.pool.free(reversed(chain))
+
+    def _pool_chain(self, block_hash: BlockHash | None) -> list[KVBlock]:
+        """The pool's blocks of the chain ending at ``block_hash``, head first, back to the
+        first one missing."""
+        chain = []
+        while block_hash is not None and (block := self.pool.hashed_block(block_hash)) is not None:
+            chain.append(block)
+            block_hash = block.parent_hash
+        return chain[::-1]
 
     def load_finished(self, load_id: Hashable) -> bool:
         """Whether the load started for ``load_id`` was applied (forgotten once it says so)."""
