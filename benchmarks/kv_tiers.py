@@ -74,7 +74,8 @@ class Trace:
             seen[s] = seen.get(s, 0) + 1
 
     def tool_result(self, session: int, turn: int) -> list[int]:
-        return random_tokens(random.Random(f"{self.args.seed}/{session}/{turn}"), self.args.tool_len)
+        rng = random.Random(f"{self.args.seed}/{session}/{turn}")
+        return random_tokens(rng, self.args.tool_len)
 
     def distinct_blocks(self, block_size: int) -> int:
         a = self.args
@@ -223,8 +224,8 @@ def _restart(model, common: dict, trace: Trace, folder: Path, baseline: list[Tur
 def _replicas(model, common: dict, trace: Trace, valkey, baseline: list[Turn]) -> dict:
     """Two engines, turns round-robin, without and with the shared tier."""
     out = {}
-    for name, options in (("round_robin", {}),
-                          ("round_robin_shared", {"kv_shared_url": valkey.url} if valkey else None)):  # fmt: skip
+    shared = {"kv_shared_url": valkey.url} if valkey is not None else None
+    for name, options in (("round_robin", {}), ("round_robin_shared", shared)):
         if options is None:
             continue
         engines = [make_engine(model, **(common | options)) for _ in range(2)]
@@ -258,8 +259,10 @@ def _print(results: dict) -> None:
                   f"{r['share_of_optimal_hit_rate']:7.1%} {r['wrong_turns']}")  # fmt: skip
     print("restart:", results["restart"])
     for name, r in results["replicas"].items():
-        print(f"replicas {name}: hit {r['hit_rate']:.1%}, p50 {1e3 * r['ttft_p50_s']:.1f} ms, "
-              f"wrong {r['wrong_turns']}")
+        print(
+            f"replicas {name}: hit {r['hit_rate']:.1%}, p50 {1e3 * r['ttft_p50_s']:.1f} ms, "
+            f"wrong {r['wrong_turns']}"
+        )
 
 
 if __name__ == "__main__":

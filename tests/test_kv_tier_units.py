@@ -128,8 +128,11 @@ def test_disk_tier_round_trip_and_restart(tmp_path):
         tier.put(key(i, parent=i - 1 if i else None), {"kv": block(i)})
     assert not list(tier.dir.glob("*.tmp"))
     again = disk(tmp_path)  # a restart rebuilds the index from the folder
-    assert [k.block_hash for k in again.keys()] == [1000, 1001, 1002]
-    assert again.keys()[1].parent_hash == 0 and again.keys()[1].token_ids == key(1).token_ids
+    assert [k.block_hash for k in again.stored_keys()] == [1000, 1001, 1002]
+    assert (
+        again.stored_keys()[1].parent_hash == 0
+        and again.stored_keys()[1].token_ids == key(1).token_ids
+    )
     assert torch.equal(again.get(key(2))["kv"], block(2))
 
 
@@ -163,7 +166,7 @@ def test_disk_tier_rebuild_removes_temp_and_foreign_files(tmp_path):
     # a block under another block's name
     (tier.dir / (key(3).hex + ".kvb")).write_bytes((tier.dir / (key(1).hex + ".kvb")).read_bytes())
     again = disk(tmp_path)
-    assert sorted(k.block_hash for k in again.keys()) == [1000, 1001]
+    assert sorted(k.block_hash for k in again.stored_keys()) == [1000, 1001]
     assert again.removed_at_start == 4
     assert sorted(p.name for p in again.dir.iterdir()) == sorted(
         [key(0).hex + ".kvb", key(1).hex + ".kvb"]
@@ -174,14 +177,14 @@ def test_disk_tier_format_version_bump_deletes_old_files(tmp_path, monkeypatch):
     disk(tmp_path).put(key(0), {"kv": block(0)})
     monkeypatch.setattr(payload, "FORMAT_VERSION", "2")
     again = disk(tmp_path)
-    assert again.keys() == [] and again.removed_at_start == 1
+    assert again.stored_keys() == [] and again.removed_at_start == 1
     assert not list(again.dir.iterdir())
 
 
 def test_disk_tier_keeps_models_apart(tmp_path):
     disk(tmp_path).put(key(0), {"kv": block(0)})
     other = DiskTier(tmp_path, 1 << 30, "0" * 32)
-    assert other.keys() == [] and other.get(key(0)) is None
+    assert other.stored_keys() == [] and other.get(key(0)) is None
     assert disk(tmp_path).contains(key(0))  # the other model's files were left alone
 
 
@@ -197,7 +200,7 @@ def test_disk_tier_evicts_least_recently_used_within_its_size(tmp_path):
     assert not (tier.dir / (key(2).hex + ".kvb")).exists()
     assert tier.counters.bytes <= 3 * size + 10
     small = disk(tmp_path, capacity=2 * size)  # a restart with a smaller cap trims the folder
-    assert len(small.keys()) == 2
+    assert len(small.stored_keys()) == 2
 
 
 def test_disk_tier_full_disk_raises_and_leaves_no_file(tmp_path, monkeypatch):
@@ -223,7 +226,7 @@ def test_disk_tier_full_disk_raises_and_leaves_no_file(tmp_path, monkeypatch):
     with pytest.raises(TierUnavailableError, match="No space"):
         tier.put(key(0), {"kv": block(0)})
     monkeypatch.undo()
-    assert list(tier.dir.iterdir()) == [] and tier.keys() == []
+    assert list(tier.dir.iterdir()) == [] and tier.stored_keys() == []
     tier.put(key(1), {"kv": block(1)})  # the tier works again once there is room
     assert tier.contains(key(1))
 

@@ -12,7 +12,7 @@ from tests.checkpoints import make_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-import kv_tiers  # noqa: E402
+import kv_tiers
 
 
 def test_kv_tiers_benchmark_runs_and_is_exact(tmp_path):

@@ -7,7 +7,9 @@ from servers import MODEL, launch_server, metric, scrape
 
 
 def test_tier_flags_metrics_and_stats(tmp_path):
-    prompts = [f"session {i}: " + "a long shared system prompt for one agent " * 12 for i in range(6)]
+    prompts = [
+        f"session {i}: " + "a long shared system prompt for one agent " * 12 for i in range(6)
+    ]
     with launch_server(
         "--num-kv-blocks", "24", "--kv-offloading-size", "0.05",
         "--kv-cache-dir", str(tmp_path), "--kv-cache-dir-size", "1",
@@ -15,7 +17,9 @@ def test_tier_flags_metrics_and_stats(tmp_path):
         for _ in range(2):
             for prompt in prompts:
                 body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
-                assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
+                assert (
+                    httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
+                )
         samples = scrape(base)
         stats = httpx.get(f"{base}/stats").json()
     hits = {m: metric(samples, "prefixserve_kv_tier_hits_total", medium=m)

@@ -45,10 +45,10 @@ from dataclasses import dataclass, field, replace
 from prefixserve.errors import require
 from prefixserve.kv.hashing import extend_block_hashes
 from prefixserve.kv_events import (
+    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    MEDIUM_GPU,
     ExternalBlockHash,
     KVEvent,
     external_block_hash,
@@ -84,9 +84,10 @@ class HashMirror:
     Invariant: after applying a replica's events in order, ``held_in(medium)`` equals the
     external hashes that medium holds (``KVEventRecorder``'s promise; the pool is ``GPU``), and
     ``held`` is their union. ``AllBlocksCleared`` empties every medium but ``SHARED`` (the
-    replica clears its own pool and tiers, not the shared server). A predicted hash leaves ``predicted`` when
-    a ``BlockStored`` confirms it (it is then held), a ``BlockRemoved`` or ``AllBlocksCleared``
-    drops it, or ``predict_ttl_s`` passes. Thread-safe: an event thread applies, the router reads.
+    replica clears its own pool and tiers, not the shared server). A predicted hash leaves
+    ``predicted`` when a ``BlockStored`` confirms it (it is then held), a ``BlockRemoved`` that
+    leaves it in no medium or an ``AllBlocksCleared`` drops it, or ``predict_ttl_s`` passes.
+    Thread-safe: an event thread applies, the router reads.
     """
 
     def __init__(

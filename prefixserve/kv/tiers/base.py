@@ -93,7 +93,7 @@ class KVTier(ABC):
         """Drop every entry."""
 
     @abstractmethod
-    def keys(self) -> list[BlockKey]:
+    def stored_keys(self) -> list[BlockKey]:
         """Every stored key, least recently used first."""
 
     def close(self) -> None:  # noqa: B027 - tiers without resources keep the default

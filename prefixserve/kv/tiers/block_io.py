@@ -30,7 +30,9 @@ def copy_out(kv_caches: torch.Tensor, block_ids: Sequence[int]) -> list[torch.Te
     return out
 
 
-def copy_in(kv_caches: torch.Tensor, block_ids: Sequence[int], blocks: Sequence[torch.Tensor]) -> None:
+def copy_in(
+    kv_caches: torch.Tensor, block_ids: Sequence[int], blocks: Sequence[torch.Tensor]
+) -> None:
     """Write each payload (``copy_out``'s shape, any device, the cache's dtype) into its block."""
     if not block_ids:
         return

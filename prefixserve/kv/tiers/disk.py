@@ -17,6 +17,7 @@ shared tier below, if any, already holds every computed block (write-through).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -100,7 +101,7 @@ class DiskTier(KVTier):
             entry = self._entries.get(key.block_hash)
             return entry is not None and entry[0].token_ids == key.token_ids
 
-    def keys(self) -> list[BlockKey]:
+    def stored_keys(self) -> list[BlockKey]:
         with self._lock:
             return [key for key, _ in self._entries.values()]
 
@@ -121,10 +122,8 @@ class DiskTier(KVTier):
         with self._lock:
             if key.block_hash in self._entries:
                 self._entries.move_to_end(key.block_hash)
-        try:
+        with contextlib.suppress(OSError):
             os.utime(path)  # least recently used survives a restart
-        except OSError:
-            pass
         return payload
 
     def put(self, key: BlockKey, payload: Payload) -> list[tuple[BlockKey, Payload | None]]:
@@ -187,7 +186,5 @@ class DiskTier(KVTier):
 
     @staticmethod
     def _unlink(path: Path) -> None:
-        try:
+        with contextlib.suppress(OSError):
             path.unlink()
-        except OSError:
-            pass

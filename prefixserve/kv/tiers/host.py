@@ -80,6 +80,6 @@ class HostTier(KVTier):
             self._entries.clear()
             self.counters.bytes = self.counters.blocks = 0
 
-    def keys(self) -> list[BlockKey]:
+    def stored_keys(self) -> list[BlockKey]:
         with self._lock:
             return [key for key, _, _ in self._entries.values()]

@@ -107,7 +107,7 @@ class KVTierManager:
         self.promotions = 0  # blocks loaded into the pool
         self.demotions = 0  # blocks a tier evicted into the tier below
         for tier in self.tiers:  # what a restart found (the disk tier's index)
-            self._events.extend((STORED, tier.medium, key) for key in tier.keys())
+            self._events.extend((STORED, tier.medium, key) for key in tier.stored_keys())
         self._thread = threading.Thread(target=self._run, name="kv-tier-worker", daemon=True)
         self._thread.start()
 
@@ -301,7 +301,9 @@ class KVTierManager:
                     self._cond.wait()
                 if self._stopping:
                     return
-                job: _Load | _Store = self._loads.popleft() if self._loads else self._stores.popleft()
+                job: _Load | _Store = (
+                    self._loads.popleft() if self._loads else self._stores.popleft()
+                )
                 self._busy = True
             try:
                 if isinstance(job, _Load):

@@ -98,7 +98,7 @@ class SharedTier(KVTier):
     def contains(self, key: BlockKey) -> bool:
         return False  # no local index: lookups go through get_many on the worker
 
-    def keys(self) -> list[BlockKey]:
+    def stored_keys(self) -> list[BlockKey]:
         return []
 
     def get(self, key: BlockKey) -> Payload | None:
