@@ -366,12 +366,12 @@ class LLMEngine:
         hashes: list[int] = []
         extra_keys = (cache_salt,) if cache_salt is not None else ()
         extend_block_hashes(token_ids, self.config.block_size, extra_keys, hashes)
-        return self.scheduler.kv.retain(token_ids, hashes, retention)
+        return self.scheduler.retain_kv(token_ids, hashes, retention)
 
     def release_kv(self, session: str) -> int:
         """Drop what ``session`` retained (its blocks stay cached as ordinary blocks); the
         number of blocks released."""
-        return self.scheduler.kv.release(session)
+        return self.scheduler.release_kv(session)
 
 
 def _derive_seed(seed: int, index: int) -> int:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from prefixserve.config import EngineConfig
 from prefixserve.errors import CacheCapacityError, InvalidArgumentError
 from prefixserve.kv.kv_cache_manager import KVCacheManager, PrefixHit
+from prefixserve.kv.retention import KVRetention
 from prefixserve.request_lifecycle import RequestLifecycle
 from prefixserve.sampling_step import SamplingResult
 from prefixserve.scheduler_output import ScheduledSeq, SchedulerOutput
@@ -146,6 +147,14 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
+
+    def retain_kv(
+        self, token_ids: list[int], block_hashes: list[int], retention: KVRetention
+    ) -> int:
+        return self.kv.retain(token_ids, block_hashes, retention)
+
+    def release_kv(self, session: str) -> int:
+        return self.kv.release(session)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 
 from prefixserve.errors import InvalidArgumentError
 from prefixserve.kv.block_pool import BlockPool, KVBlock
-from prefixserve.kv.hashing import BlockHash, ExtraKeys
+from prefixserve.kv.hashing import BlockHash, BlockKey, ExtraKeys
 from prefixserve.kv.partial_tail import tail_key
 
 if TYPE_CHECKING:
@@ -390,8 +390,6 @@ class KVCacheManager:
         True if a load started (the request waits for ``load_finished``)."""
         if self.tiers is None:
             return False
-        from prefixserve.kv.tiers.payload import BlockKey
-
         hit = self.lookup(token_ids, block_hashes)
         bs = self.block_size
         first = len(hit.blocks)

@@ -22,34 +22,28 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from xxhash import xxh3_64
 
-from prefixserve.kv.hashing import BlockHash
+from prefixserve.kv.hashing import BlockKey
+
+__all__ = [
+    "BlockKey",
+    "CorruptBlockError",
+    "decode_block",
+    "encode_block",
+    "header_key",
+    "read_header",
+]
 
 FORMAT_VERSION = "1"
 
 
 class CorruptBlockError(Exception):
     """A stored block failed a check: it must be deleted and counted as a miss."""
-
-
-@dataclass(frozen=True, slots=True)
-class BlockKey:
-    """What names a stored block: its chained hash (cache salt included) and its token ids.
-    ``parent_hash`` is not part of the identity; it travels in the header and KV events."""
-
-    block_hash: BlockHash
-    token_ids: tuple[int, ...]
-    parent_hash: BlockHash | None = None
-
-    @property
-    def hex(self) -> str:
-        return f"{self.block_hash:032x}"
 
 
 def _checksum(tensors: dict[str, torch.Tensor]) -> str:
