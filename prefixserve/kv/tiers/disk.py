@@ -21,10 +21,10 @@ import contextlib
 import logging
 import os
 import threading
-from collections import OrderedDict
 from pathlib import Path
 
 from prefixserve.kv.tiers.base import MEDIUM_DISK, IsRetained, KVTier, Payload, TierUnavailableError
+from prefixserve.kv.tiers.lru_index import LRUIndex
 from prefixserve.kv.tiers.payload import (
     BlockKey,
     CorruptBlockError,
@@ -56,8 +56,7 @@ class DiskTier(KVTier):
         self.dir = Path(root) / fingerprint
         self.dir.mkdir(parents=True, exist_ok=True)
         self.counters.capacity_bytes = capacity_bytes
-        self._is_retained = is_retained or (lambda block_hash: False)
-        self._entries: OrderedDict[int, tuple[BlockKey, int]] = OrderedDict()
+        self._index: LRUIndex[None] = LRUIndex(self.counters, is_retained)
         self.removed_at_start = 0  # temp files and files that failed a check
         self._rebuild_index()
 
@@ -74,15 +73,13 @@ class DiskTier(KVTier):
             self._unlink(path)
             self.removed_at_start += 1
         for _, key, size in sorted(found, key=lambda f: f[0]):
-            self._entries[key.block_hash] = (key, size)
-            self.counters.bytes += size
-        self.counters.blocks = len(self._entries)
+            self._index.add(key, size, None)
         while self.counters.bytes > self.counters.capacity_bytes:
             self._evict_one()
-        if self._entries or self.removed_at_start:
+        if self.counters.blocks or self.removed_at_start:
             logger.info(
                 "KV disk tier %s: %d blocks (%.1f MiB) found, %d leftover or bad files removed",
-                self.dir, len(self._entries), self.counters.bytes / 2**20, self.removed_at_start,
+                self.dir, self.counters.blocks, self.counters.bytes / 2**20, self.removed_at_start,
             )  # fmt: skip
 
     def _check_header(self, path: Path) -> BlockKey | None:
@@ -98,12 +95,11 @@ class DiskTier(KVTier):
 
     def contains(self, key: BlockKey) -> bool:
         with self._lock:
-            entry = self._entries.get(key.block_hash)
-            return entry is not None and entry[0].token_ids == key.token_ids
+            return self._index.get(key) is not None
 
     def stored_keys(self) -> list[BlockKey]:
         with self._lock:
-            return [key for key, _ in self._entries.values()]
+            return self._index.keys()
 
     # ---- I/O -----------------------------------------------------------------------------------
 
@@ -120,8 +116,7 @@ class DiskTier(KVTier):
             self.discard(key)
             return None
         with self._lock:
-            if key.block_hash in self._entries:
-                self._entries.move_to_end(key.block_hash)
+            self._index.get(key, touch=True)
         with contextlib.suppress(OSError):
             os.utime(path)  # least recently used survives a restart
         return payload
@@ -132,7 +127,7 @@ class DiskTier(KVTier):
         if len(data) > c.capacity_bytes:
             return []
         with self._lock:
-            self._drop(key.block_hash)
+            self._index.drop(key.block_hash)
             evicted: list[tuple[BlockKey, Payload | None]] = []
             while c.bytes + len(data) > c.capacity_bytes:
                 evicted.append((self._evict_one(), None))
@@ -146,41 +141,25 @@ class DiskTier(KVTier):
             self._unlink(tmp)
             raise TierUnavailableError(f"cannot write {path}: {exc}") from exc
         with self._lock:
-            self._entries[key.block_hash] = (key, len(data))
-            c.bytes += len(data)
-            c.blocks += 1
+            self._index.add(key, len(data), None)
             c.stores += 1
         return evicted
 
     def _evict_one(self) -> BlockKey:
-        victim = next((h for h in self._entries if not self._is_retained(h)), None)
-        if victim is None:
-            victim = next(iter(self._entries))
-        key, _ = self._entries[victim]
-        self._drop(victim)
+        key, _, _ = self._index.evict()
         self._unlink(self._path(key))
-        self.counters.evictions += 1
         return key
-
-    def _drop(self, block_hash: int) -> bool:
-        entry = self._entries.pop(block_hash, None)
-        if entry is None:
-            return False
-        self.counters.bytes -= entry[1]
-        self.counters.blocks -= 1
-        return True
 
     def discard(self, key: BlockKey) -> bool:
         with self._lock:
-            dropped = self._drop(key.block_hash)
+            dropped = self._index.drop(key.block_hash) is not None
         self._unlink(self._path(key))
         return dropped
 
     def clear(self) -> None:
         with self._lock:
-            keys = [key for key, _ in self._entries.values()]
-            self._entries.clear()
-            self.counters.bytes = self.counters.blocks = 0
+            keys = self._index.keys()
+            self._index.clear()
         for key in keys:
             self._unlink(self._path(key))
 

@@ -18,7 +18,8 @@
 Which tier gets what: blocks a step computed are written through to the disk and shared tiers
 (so a restart or another replica finds them); a block the pool evicts goes to the host tier
 (or, without one, to the first tier that lacks it); what the host tier evicts goes down to the
-disk tier if that lacks it. Stores are best effort: past ``max_pending_store_bytes`` of queued
+disk tier if that lacks it. A block whose store is still queued is loaded from the queue.
+Stores are best effort: past ``max_pending_store_bytes`` of queued
 payloads new ones are dropped (counted), except write-throughs a retention asked for.
 
 Invariants: a block is copied out while its K/V is still the one its key names (evictions are
@@ -101,6 +102,7 @@ class KVTierManager:
         self._finished: list[tuple[object, list[tuple[BlockKey, torch.Tensor, str]]]] = []
         self._events: list[tuple[str, str, BlockKey]] = []
         self._pending_bytes = 0
+        self._queued: dict[int, _Store] = {}  # block hash -> its store not yet done
         self._busy = False
         self._stopping = False
         self.stores_dropped = 0
@@ -173,7 +175,9 @@ class KVTierManager:
                     self.stores_dropped += 1
                     continue
                 self._pending_bytes += nbytes
-                self._stores.append(_Store(key, block, tuple(sorted(targets)), nbytes, required))
+                store = _Store(key, block, tuple(sorted(targets)), nbytes, required)
+                self._stores.append(store)
+                self._queued[key.block_hash] = store
             self._cond.notify()
 
     def _eviction_targets(self, key: BlockKey) -> set[int]:
@@ -191,9 +195,10 @@ class KVTierManager:
         when a shared tier may hold the rest (it is asked on the worker)."""
         n = 0
         for key in keys:
-            tier = self._local_tier_of(key)
-            if tier is None or not self.cost.worth_loading(tier.medium):
-                break
+            if self._queued_store(key) is None:
+                tier = self._local_tier_of(key)
+                if tier is None or not self.cost.worth_loading(tier.medium):
+                    break
             n += 1
         if n < len(keys) and any(
             self.tiers[i].counters.available and self.cost.worth_loading(self.tiers[i].medium)
@@ -238,6 +243,13 @@ class KVTierManager:
         assert self.kv_caches is not None
         copy_in(self.kv_caches, block_ids, blocks)
 
+    def _queued_store(self, key: BlockKey) -> _Store | None:
+        """The queued store of ``key``, if any (a load may take its K/V from there; its hit
+        counts for the tier it is on its way to)."""
+        with self._cond:
+            store = self._queued.get(key.block_hash)
+        return store if store is not None and store.key.token_ids == key.token_ids else None
+
     def _local_tier_of(self, key: BlockKey) -> KVTier | None:
         return next((self.tiers[i] for i in self._local if self.tiers[i].contains(key)), None)
 
@@ -261,6 +273,7 @@ class KVTierManager:
             while self._busy:
                 self._cond.wait(0.05)
             self._stores.clear()
+            self._queued.clear()
             self._pending_bytes = 0
             for i in self._local:
                 self.tiers[i].clear()
@@ -321,6 +334,8 @@ class KVTierManager:
                 with self._cond:
                     if isinstance(job, _Store):
                         self._pending_bytes -= job.nbytes
+                        if self._queued.get(job.key.block_hash) is job:
+                            del self._queued[job.key.block_hash]
                     self._busy = False
                     self._cond.notify_all()
 
@@ -361,6 +376,13 @@ class KVTierManager:
         i = 0
         while i < len(keys):
             key = keys[i]
+            queued = self._queued_store(key)
+            if queued is not None:  # still on its way down: served from the queue
+                target = self.tiers[queued.tiers[0]]
+                out.append((key, queued.block.to(self.dtype), target.medium))
+                target.counters.hits += 1
+                i += 1
+                continue
             tier = self._local_tier_of(key)
             if tier is not None:
                 start = time.perf_counter()
