@@ -8,6 +8,8 @@ the next turn from disk and announces its blocks; one tenant's blocks never reac
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -287,7 +289,7 @@ def test_retained_prefix_survives_a_flood_and_release_drops_it(model):
         _one(llm, _prompt(90, 100 + s))
     assert _one(llm, system + [8]).num_cached_tokens == 96
     assert llm.llm_engine.stats().kv_cache["retained_blocks"] == 6
-    assert llm.llm_engine.release_kv("agent") == 6
+    assert llm.release_kv("agent") == 6
     for s in range(8):
         _one(llm, _prompt(90, 200 + s))
     assert _one(llm, system + [9]).num_cached_tokens == 0
@@ -331,3 +333,13 @@ def test_a_request_waits_for_its_load_while_others_run(model, tmp_path, monkeypa
     assert engine.scheduler.kv._finished_loads == set() == engine.scheduler.kv._cancelled_loads
     engine.shutdown()
     _close(plain)
+
+
+def test_an_offline_llm_never_shut_down_leaves_its_blocks_on_disk(model, tmp_path):
+    script = (
+        "from prefixserve import LLM, SamplingParams\n"
+        f"llm = LLM({model!r}, block_size={BLOCK}, num_kv_blocks={POOL}, kv_cache_dir={str(tmp_path)!r})\n"
+        "llm.generate([list(range(3, 3 + 161))], SamplingParams(max_tokens=2), use_tqdm=False)\n"
+    )  # the script ends right after the request: the stores still queued are written at exit
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+    assert len(list(tmp_path.rglob("*.kvb"))) == 10  # 161 + 1 computed tokens: 10 full blocks

@@ -32,6 +32,7 @@ never waits on the worker except in ``wait_for_loads``, which it calls only when
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -112,6 +113,7 @@ class KVTierManager:
             self._events.extend((STORED, tier.medium, key) for key in tier.stored_keys())
         self._thread = threading.Thread(target=self._run, name="kv-tier-worker", daemon=True)
         self._thread.start()
+        atexit.register(self.close)
 
     def attach(self, kv_caches: torch.Tensor) -> None:
         """The paged cache blocks are copied out of and into (``ModelRunner.kv_caches``)."""
@@ -294,9 +296,14 @@ class KVTierManager:
         }
 
     def close(self, drain_timeout_s: float = 10.0) -> None:
-        """Finish the queued stores (up to ``drain_timeout_s``), stop the worker, close tiers."""
+        """Finish the queued stores (up to ``drain_timeout_s``), stop the worker, close tiers.
+        Idempotent; also run at interpreter exit, so an offline ``LLM`` that is never shut down
+        still leaves its computed blocks on disk for the next start."""
+        atexit.unregister(self.close)
         deadline = time.monotonic() + drain_timeout_s
         with self._cond:
+            if self._stopping:
+                return
             while (self._stores or self._busy) and time.monotonic() < deadline:
                 self._cond.wait(0.05)
             self._stopping = True
