@@ -130,7 +130,8 @@ class SharedTier(KVTier):
         data = encode_block(key, payload, self.fingerprint)
         self._call(lambda: self._client.set(self._key(key), data))
         self.counters.stores += 1
-        self.counters.bytes += len(data)  # bytes written (the server keeps the size)
+        self.counters.blocks += 1  # written by this engine (the server bounds what it keeps)
+        self.counters.bytes += len(data)
         return []
 
     def discard(self, key: BlockKey) -> bool:
