@@ -41,6 +41,7 @@ def stats(engine: AsyncEngine, metrics: ServerMetrics) -> dict:
         "ttft_mean_s": ttft_sum / ttft_count if ttft_count else 0.0,
         "ttft_recent_s": sum(recent) / len(recent) if recent else 0.0,
         "spec_decode": snap.spec_decode,  # None when speculative decoding is off
+        "kv_tiers": snap.kv_tiers,  # None without tiers under the KV pool
         "num_steps": snap.num_steps,
         "step_times": dataclasses.asdict(snap.step_times),
         "decode_replay": snap.decode_replay,  # None when decode steps run eagerly

@@ -98,6 +98,66 @@ class _EngineCollector(Collector):
         yield counter("prefixserve_generation_tokens", "Tokens generated.", s.generation_tokens)
         yield from self._structured_outputs()
         yield from self._spec_decode()
+        yield from self._kv_tiers()
+
+    def _kv_tiers(self) -> Iterator[Metric]:
+        """Per tier under the KV pool (label ``medium``: CPU_TIER, DISK, SHARED), retention, and
+        promotions/demotions; none without tiers (retention figures always)."""
+        cache, label = self.stats.kv_cache, self.model_name
+        for name, doc, key, kind in (
+            ("prefixserve_kv_retained_blocks", "Block hashes retained now (soft priority).",
+             "retained_blocks", GaugeMetricFamily),
+            ("prefixserve_kv_retention_expiries", "Retentions that expired.",
+             "retention_expiries", CounterMetricFamily),
+            ("prefixserve_kv_retention_released", "Retained blocks released by their session.",
+             "retention_released", CounterMetricFamily),
+        ):  # fmt: skip
+            if key in cache:
+                family = kind(name, doc, labels=["model_name"])
+                family.add_metric([label], cache[key])
+                yield family
+        tiers = self.stats.kv_tiers
+        if tiers is None:
+            return
+        for name, doc, key, kind in (
+            ("prefixserve_kv_tier_hits", "Blocks loaded from a tier into the pool.", "hits",
+             CounterMetricFamily),
+            ("prefixserve_kv_tier_misses", "Tier lookups that found no block (or a bad one).",
+             "misses", CounterMetricFamily),
+            ("prefixserve_kv_tier_blocks", "Blocks a tier holds (SHARED: written by this engine).",
+             "blocks", GaugeMetricFamily),
+            ("prefixserve_kv_tier_bytes", "Bytes a tier holds (SHARED: written by this engine).",
+             "bytes", GaugeMetricFamily),
+            ("prefixserve_kv_tier_stores", "Blocks stored in a tier.", "stores",
+             CounterMetricFamily),
+            ("prefixserve_kv_tier_store_errors", "Stores a tier refused (full, unreachable).",
+             "store_errors", CounterMetricFamily),
+            ("prefixserve_kv_tier_corrupt", "Stored blocks that failed a check and were deleted.",
+             "corrupt", CounterMetricFamily),
+            ("prefixserve_kv_tier_evictions", "Blocks a tier dropped for room.", "evictions",
+             CounterMetricFamily),
+            ("prefixserve_kv_tier_load_seconds", "Time spent loading blocks from a tier.",
+             "load_seconds", CounterMetricFamily),
+            ("prefixserve_kv_tier_store_seconds", "Time spent storing blocks in a tier.",
+             "store_seconds", CounterMetricFamily),
+            ("prefixserve_kv_tier_available", "1 while the tier answers, 0 while it is skipped.",
+             "available", GaugeMetricFamily),
+        ):  # fmt: skip
+            family = kind(name, doc, labels=["model_name", "medium"])
+            for medium, counters in tiers["tiers"].items():
+                family.add_metric([label, medium], float(counters[key]))
+            yield family
+        for name, doc, key in (
+            ("prefixserve_kv_tier_promotions", "Blocks loaded from the tiers into the pool.",
+             "promotions"),
+            ("prefixserve_kv_tier_demotions", "Blocks a tier evicted into the tier below.",
+             "demotions"),
+            ("prefixserve_kv_tier_stores_dropped", "Stores dropped: the tier worker was behind.",
+             "stores_dropped"),
+        ):  # fmt: skip
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([label], tiers[key])
+            yield family
 
     def _spec_decode(self) -> Iterator[Metric]:
         """Speculative decoding counters and ratios, labelled by method (none when it is off)."""

@@ -1,6 +1,7 @@
 """prefixserve: an LLM serving engine built for traffic whose requests share long prefixes."""
 
 from prefixserve.inputs import TextPrompt, TokensPrompt
+from prefixserve.kv.retention import KVRetention
 from prefixserve.outputs import CompletionOutput, RequestOutput
 from prefixserve.sampling_params import BeamSearchParams, SamplingParams
 from prefixserve.structured_outputs.params import StructuredOutputsParams
@@ -11,6 +12,7 @@ __all__ = [
     "LLM",
     "BeamSearchParams",
     "CompletionOutput",
+    "KVRetention",
     "LLMEngine",
     "RequestOutput",
     "SamplingParams",

@@ -14,6 +14,8 @@ _BACKENDS = ("auto", "torch", "triton")
 _POLICIES = ("fcfs", "prefix")
 _QUANTIZATIONS = (None, "int8", "int4")
 DEFAULT_CPU_KV_CACHE_GB = 1.0
+DEFAULT_KV_CACHE_DIR_GB = 16.0
+_KV_OFFLOADING_DTYPES = ("auto", "int8", "fp8")
 ENFORCE_EAGER_ENV = "PREFIXSERVE_ENFORCE_EAGER"
 
 
@@ -47,6 +49,16 @@ class EngineConfig:
     tensors as float instead of keeping them quantized (``prefixserve.models.gguf_loader``).
     ``speculative_config`` (vLLM's dict, or a ``SpeculativeConfig``; default None: off): draft
     tokens from the request's own text, verified in the same step (``prefixserve.spec_decode``).
+
+    Tiers under the KV pool (``prefixserve.kv.tiers``, docs/kv-tiers.md), all off by default:
+    ``kv_offloading_size`` (GiB, vLLM's name): host memory for evicted blocks, kept as they are
+    or compressed (``kv_offloading_dtype`` "int8" / "fp8"); ``kv_cache_dir`` (+ its cap
+    ``kv_cache_dir_size`` GiB): a disk tier that survives restarts; ``kv_shared_url``
+    (``redis://HOST:PORT``): a Valkey/Redis tier shared by replicas. Retention
+    (``SamplingParams.kv_retention``): at most ``kv_retention_budget`` of the pool's blocks are
+    protected at once; TTLs are capped at ``kv_retention_max_ttl_s``; a retention without a TTL
+    (a pause on a tool call) gets ``kv_retention_default_ttl_s``, or with
+    ``kv_retention_learn_ttl`` a TTL learned from the gaps seen between turns.
     """
 
     model: str | None = None
@@ -75,8 +87,22 @@ class EngineConfig:
     quantization: str | None = None
     gguf_dequantize: bool = False
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
+    kv_offloading_size: float | None = None
+    kv_offloading_dtype: str = "auto"
+    kv_cache_dir: str | None = None
+    kv_cache_dir_size: float = DEFAULT_KV_CACHE_DIR_GB
+    kv_shared_url: str | None = None
+    kv_retention_budget: float = 0.5
+    kv_retention_default_ttl_s: float = 300.0
+    kv_retention_max_ttl_s: float = 3600.0
+    kv_retention_learn_ttl: bool = True
+
+    @property
+    def has_kv_tiers(self) -> bool:
+        return bool(self.kv_offloading_size or self.kv_cache_dir or self.kv_shared_url)
 
     def __post_init__(self) -> None:
+        self._check_kv_tiers()
         if isinstance(self.speculative_config, dict):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         require(
@@ -149,6 +175,59 @@ class EngineConfig:
             and (self.device in ("auto", "cpu") or self.device.startswith("cuda")),
             "device",
             f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}",
+        )
+
+    def _check_kv_tiers(self) -> None:
+        require(
+            self.kv_offloading_size is None
+            or (isinstance(self.kv_offloading_size, (int, float)) and self.kv_offloading_size > 0),
+            "kv_offloading_size",
+            f"must be > 0 GiB or None, got {self.kv_offloading_size!r}",
+        )
+        require(
+            self.kv_offloading_dtype in _KV_OFFLOADING_DTYPES,
+            "kv_offloading_dtype",
+            f"must be one of {_KV_OFFLOADING_DTYPES}, got {self.kv_offloading_dtype!r}",
+        )
+        require(
+            self.kv_offloading_dtype == "auto" or self.kv_offloading_size is not None,
+            "kv_offloading_dtype",
+            "compresses the host tier: set kv_offloading_size too",
+        )
+        require(
+            self.kv_cache_dir is None or (isinstance(self.kv_cache_dir, str) and self.kv_cache_dir),
+            "kv_cache_dir",
+            f"must be a folder path or None, got {self.kv_cache_dir!r}",
+        )
+        require(
+            isinstance(self.kv_cache_dir_size, (int, float)) and self.kv_cache_dir_size > 0,
+            "kv_cache_dir_size",
+            f"must be > 0 GiB, got {self.kv_cache_dir_size!r}",
+        )
+        require(
+            self.kv_shared_url is None
+            or (
+                isinstance(self.kv_shared_url, str)
+                and self.kv_shared_url.startswith(("redis://", "rediss://", "valkey://", "unix://"))
+            ),
+            "kv_shared_url",
+            f"must be a redis://HOST:PORT URL or None, got {self.kv_shared_url!r}",
+        )
+        require(
+            isinstance(self.kv_retention_budget, (int, float))
+            and 0.0 <= self.kv_retention_budget <= 1.0,
+            "kv_retention_budget",
+            f"must be a share of the pool in [0, 1], got {self.kv_retention_budget!r}",
+        )
+        for name in ("kv_retention_default_ttl_s", "kv_retention_max_ttl_s"):
+            value = getattr(self, name)
+            require(
+                isinstance(value, (int, float)) and value > 0, name, f"must be > 0, got {value!r}"
+            )
+        require(
+            isinstance(self.kv_retention_learn_ttl, bool),
+            "kv_retention_learn_ttl",
+            f"must be True or False, got {self.kv_retention_learn_ttl!r}",
         )
 
     def resolve_max_model_len(self, max_position_embeddings: int) -> int:

@@ -11,6 +11,12 @@ One ``step()`` is a straight line; every stage hands the next one a value::
                                         forks, stops, frees, finished requests
     OutputProcessor.make_output()    -> one RequestOutput per touched request
 
+With tiers under the KV pool (``prefixserve.kv.tiers``), blocks the pool evicts are copied out
+right after ``schedule()`` (before the forward can overwrite them) and the step's new blocks
+right after ``update_from_output()``; the tier worker stores them and loads blocks back for
+waiting requests while steps run. A step with nothing to run while loads are in flight waits
+for one (briefly), so the serving loop does not spin.
+
 Validation happens before a request is queued, in ``RequestPreprocessor.process`` (which
 ``add_request`` runs for a raw prompt): a request the engine accepts can fail later only alone
 (``RequestOutput.error``), never the loop. A step whose forward (or sampling) raises is rolled
@@ -32,7 +38,11 @@ import torch
 from prefixserve.config import EngineConfig
 from prefixserve.detokenizer import IncrementalDetokenizer
 from prefixserve.errors import InvalidArgumentError, StepFailedError
+from prefixserve.kv.hashing import extend_block_hashes
 from prefixserve.kv.kv_cache_manager import KVCacheManager
+from prefixserve.kv.retention import KVRetention, RetentionTable
+from prefixserve.kv.tiers import build_kv_tiers
+from prefixserve.kv.tiers.events import record_tier_events
 from prefixserve.model_runner import ModelRunner
 from prefixserve.models.loader import load_tokenizer
 from prefixserve.output_processor import OutputProcessor
@@ -48,6 +58,8 @@ from prefixserve.structured_outputs.manager import StructuredOutputManager
 from prefixserve.structured_outputs.request import StructuredOutputRequest
 
 logger = logging.getLogger(__name__)
+
+LOAD_WAIT_S = 0.005  # an idle step waits this long at most for a tier load
 
 
 @dataclass
@@ -87,6 +99,8 @@ class EngineStats:
     # replayed decode steps (``DecodeReplay.stats``: kind, buckets, capture seconds, steps);
     # None when every step runs eagerly
     decode_replay: dict[str, Any] | None = None
+    # the tiers under the KV pool (``KVTierManager.stats``); None without any
+    kv_tiers: dict[str, Any] | None = None
 
 
 class LLMEngine:
@@ -102,11 +116,20 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.kv_events, self.kv_event_publisher = self._kv_events(config)
+        retention = RetentionTable(
+            int(config.kv_retention_budget * self.runner.num_blocks),
+            default_ttl_s=config.kv_retention_default_ttl_s,
+            max_ttl_s=config.kv_retention_max_ttl_s,
+            learn_ttl=config.kv_retention_learn_ttl,
+        )
+        self.kv_tiers = build_kv_tiers(config, self.runner.model, self.runner.kv_caches, retention)
         kv_cache_manager = KVCacheManager(
             self.runner.num_blocks,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             kv_events=self.kv_events,
+            tiers=self.kv_tiers,
+            retention=retention,
         )
         self.scheduler = Scheduler(config, kv_cache_manager, StopChecker(self.eos_token_ids))
         self.structured_outputs = StructuredOutputManager(
@@ -127,6 +150,7 @@ class LLMEngine:
         self.step_times = StepTimes()
         self.num_steps = 0
         torch.manual_seed(config.seed)
+        self._publish_kv_events()  # what a restart found in the disk tier
 
     @staticmethod
     def _kv_events(config: EngineConfig):
@@ -142,12 +166,19 @@ class LLMEngine:
         return KVEventRecorder(), publisher
 
     def _publish_kv_events(self) -> None:
+        if self.kv_tiers is not None:
+            tier_events = self.kv_tiers.take_events()
+            if self.kv_events is not None:
+                record_tier_events(self.kv_events, tier_events)
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.publish(self.kv_events.take())
 
     def shutdown(self) -> None:
-        """Stop the grammar compiler's threads and the KV-event publisher (idempotent)."""
+        """Stop the grammar compiler's threads, the KV-event publisher and the tier worker
+        (after it wrote what is queued) (idempotent)."""
         self.structured_outputs.shutdown()
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.close()
 
@@ -245,10 +276,16 @@ class LLMEngine:
         times = self.step_times
         t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        tiers = self.kv_tiers
         if scheduler_output.is_empty:
+            if tiers is not None and tiers.has_loads_in_flight():
+                tiers.wait_for_loads(LOAD_WAIT_S)
+                self._publish_kv_events()
             return []
         t1 = time.perf_counter()
         try:
+            if tiers is not None:
+                tiers.flush()  # evicted blocks out before the forward can overwrite them
             runner_output = self.runner.execute(scheduler_output)
             t2 = time.perf_counter()
             sampled = self.sampling_step.sample(
@@ -265,6 +302,12 @@ class LLMEngine:
             self.scheduler.abandon_step(scheduler_output)
             raise
         touched = self.scheduler.update_from_output(scheduler_output, sampled)
+        if tiers is not None:
+            tiers.flush()  # the step's new blocks, written through to disk / shared
+            tiers.observe_forward(
+                sum(s.num_new_tokens for s in scheduler_output.scheduled),
+                runner_output.forward_seconds,
+            )
         t3 = time.perf_counter()
         outputs = [self.output_processor.make_output(request) for request in touched]
         times.schedule += t1 - t0
@@ -300,6 +343,7 @@ class LLMEngine:
             decode_replay=replay.stats()
             if (replay := self.runner.decode_replay) is not None
             else None,
+            kv_tiers=self.kv_tiers.stats() if self.kv_tiers is not None else None,
         )
 
     def kv_usage(self) -> KVUsage:
@@ -310,10 +354,30 @@ class LLMEngine:
         return self.scheduler.stats().kv_cache
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix; refused (False) while any block is in use."""
+        """Forget every cached prefix (the host and disk tiers' too); refused (False) while any
+        block is in use."""
         reset = self.scheduler.reset_prefix_cache()
         self._publish_kv_events()
         return reset
+
+    # ---- retention (the protocol fronts map cache_control / prompt_cache_retention here) ------
+
+    def retain_kv(
+        self, token_ids: list[int], retention: KVRetention, cache_salt: str | None = None
+    ) -> int:
+        """Retain the cached blocks of ``token_ids`` (under ``cache_salt``) as ``retention`` says,
+        outside any request: e.g. after a response that ended in a tool call, with
+        ``KVRetention(ttl_s=None, session=...)`` for the TTL learned from tool-call gaps.
+        Returns the number of blocks retained (within the budget)."""
+        hashes: list[int] = []
+        extra_keys = (cache_salt,) if cache_salt is not None else ()
+        extend_block_hashes(token_ids, self.config.block_size, extra_keys, hashes)
+        return self.scheduler.retain_kv(token_ids, hashes, retention)
+
+    def release_kv(self, session: str) -> int:
+        """Drop what ``session`` retained (its blocks stay cached as ordinary blocks); the
+        number of blocks released."""
+        return self.scheduler.release_kv(session)
 
 
 def _derive_seed(seed: int, index: int) -> int:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from prefixserve.config import DEFAULT_KV_CACHE_DIR_GB
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The options that become ``EngineConfig`` fields (``engine_kwargs``), and ``--log-level``."""
@@ -77,7 +79,64 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
         '"num_speculative_tokens": 4}\' (default: off)',
     )
+    _add_kv_tier_args(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _add_kv_tier_args(p: argparse.ArgumentParser) -> None:
+    """Tiers under the KV pool and retention (docs/kv-tiers.md)."""
+    p.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=None,
+        metavar="GiB",
+        help="host-memory tier for blocks evicted from the KV pool (vLLM's flag; default: off)",
+    )
+    p.add_argument(
+        "--kv-offloading-dtype",
+        choices=["auto", "int8", "fp8"],
+        default="auto",
+        help="keep host-tier blocks compressed (int8/fp8: about 4x more blocks, lossy)",
+    )
+    p.add_argument(
+        "--kv-cache-dir",
+        default=None,
+        metavar="PATH",
+        help="disk tier: every computed block is written here and survives restarts",
+    )
+    p.add_argument(
+        "--kv-cache-dir-size",
+        type=float,
+        default=DEFAULT_KV_CACHE_DIR_GB,
+        metavar="GiB",
+        help="disk tier size; least recently used blocks are deleted past it",
+    )
+    p.add_argument(
+        "--kv-shared-url",
+        default=None,
+        metavar="redis://HOST:PORT",
+        help="shared tier in a Valkey/Redis server: replicas read the blocks others computed",
+    )
+    p.add_argument(
+        "--kv-retention-budget",
+        type=float,
+        default=0.5,
+        help="share of the KV pool that retained prefixes (cache_control TTLs) may protect",
+    )
+    p.add_argument(
+        "--kv-retention-max-ttl",
+        dest="kv_retention_max_ttl_s",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="cap on any retention's TTL",
+    )
+    p.add_argument(
+        "--no-kv-retention-learn-ttl",
+        dest="kv_retention_learn_ttl",
+        action="store_false",
+        help="a pause on a tool call keeps the default TTL instead of one learned from gaps",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -106,6 +165,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         speculative_config=args.speculative_config,
+        kv_offloading_size=args.kv_offloading_size,
+        kv_offloading_dtype=args.kv_offloading_dtype,
+        kv_cache_dir=args.kv_cache_dir,
+        kv_cache_dir_size=args.kv_cache_dir_size,
+        kv_shared_url=args.kv_shared_url,
+        kv_retention_budget=args.kv_retention_budget,
+        kv_retention_max_ttl_s=args.kv_retention_max_ttl_s,
+        kv_retention_learn_ttl=args.kv_retention_learn_ttl,
     )
 
 

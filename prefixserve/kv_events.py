@@ -126,7 +126,10 @@ class KVEventRecorder:
     engine thread only (the block pool's thread); not thread-safe.
 
     ``medium`` names the cache tier as vLLM does: "GPU" is the engine's own KV cache, whatever
-    the device (llm-d scores tiers by it); ``hash_format`` is described in the module docstring.
+    the device (llm-d scores tiers by it); the tiers under it report "CPU_TIER", "DISK" and
+    "SHARED" per event (``prefixserve.kv.tiers.events``). Invariant per medium: the hashes
+    stored minus those removed in that medium are what that medium holds (a block may be in
+    several). ``hash_format`` is described in the module docstring.
     """
 
     def __init__(self, medium: str | None = MEDIUM_GPU, hash_format: HashFormat = "int") -> None:
@@ -140,13 +143,20 @@ class KVEventRecorder:
         self._chain_tail: BlockHash | None = None  # last block of _events[-1] if a BlockStored
 
     def on_block_stored(
-        self, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: Sequence[int]
+        self,
+        block_hash: BlockHash,
+        parent_hash: BlockHash | None,
+        token_ids: Sequence[int],
+        medium: str | None = None,
     ) -> None:
-        """A full block of ``len(token_ids)`` tokens was registered under ``block_hash``."""
+        """A full block of ``len(token_ids)`` tokens was registered under ``block_hash`` (in the
+        pool, or in the tier ``medium`` names)."""
+        medium = medium or self.medium
         last = self._events[-1] if self._events else None
         external = external_block_hash(block_hash, self.hash_format)
         if (
             isinstance(last, BlockStored)
+            and last.medium == medium
             and parent_hash is not None
             and parent_hash == self._chain_tail
             and len(token_ids) == last.block_size
@@ -164,20 +174,22 @@ class KVEventRecorder:
                     token_ids=list(token_ids),
                     block_size=len(token_ids),
                     lora_id=None,
-                    medium=self.medium,
+                    medium=medium,
                     lora_name=None,
                 )
             )
         self._chain_tail = block_hash
 
-    def on_block_removed(self, block_hash: BlockHash) -> None:
-        """The block registered under ``block_hash`` was evicted."""
+    def on_block_removed(self, block_hash: BlockHash, medium: str | None = None) -> None:
+        """The block registered under ``block_hash`` was evicted (from the pool, or from the
+        tier ``medium`` names)."""
+        medium = medium or self.medium
         last = self._events[-1] if self._events else None
         external = external_block_hash(block_hash, self.hash_format)
-        if isinstance(last, BlockRemoved):
+        if isinstance(last, BlockRemoved) and last.medium == medium:
             last.block_hashes.append(external)
         else:
-            self._events.append(BlockRemoved(block_hashes=[external], medium=self.medium))
+            self._events.append(BlockRemoved(block_hashes=[external], medium=medium))
         self._chain_tail = None
 
     def on_all_cleared(self) -> None:

@@ -20,7 +20,9 @@ class LLM:
 
     Keyword options are those of ``EngineConfig``: block_size, max_model_len, num_kv_blocks,
     kv_cache_memory_gb, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
-    enable_chunked_prefill, scheduling_policy, device, dtype, seed, attention_backend, ...
+    enable_chunked_prefill, scheduling_policy, device, dtype, seed, attention_backend, ...;
+    the KV tiers: kv_offloading_size, kv_offloading_dtype, kv_cache_dir, kv_cache_dir_size,
+    kv_shared_url (docs/kv-tiers.md).
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
@@ -36,6 +38,11 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
+
+    def release_kv(self, session: str) -> int:
+        """Drop what ``session`` retained (``SamplingParams.kv_retention``); the number of
+        blocks released. They stay cached as ordinary blocks."""
+        return self.llm_engine.release_kv(session)
 
     def generate(
         self,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from prefixserve.errors import require
+from prefixserve.kv.retention import KVRetention
 from prefixserve.structured_outputs.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
@@ -27,6 +28,10 @@ class SamplingParams:
     -> bias in [-100, 100], added to the logits), ``allowed_token_ids`` (only these may be
     sampled), ``bad_words`` (strings never generated). ``truncate_prompt_tokens=k`` keeps the
     prompt's last k tokens.
+
+    ``kv_retention``: one ``KVRetention`` or a list (one per cache breakpoint): keep the KV of
+    the prompt up to each one's ``num_tokens`` for its TTL, as soft priority over other cached
+    blocks (``prefixserve.kv.retention``). Stored as a tuple.
     """
 
     n: int = 1
@@ -53,8 +58,12 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    kv_retention: KVRetention | list[KVRetention] | tuple[KVRetention, ...] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_retention, KVRetention):
+            self.kv_retention = (self.kv_retention,)
+        self.kv_retention = tuple(self.kv_retention or ())
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -146,6 +155,11 @@ class SamplingParams:
             self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
             "cache_salt",
             "must be a non-empty string or None",
+        )
+        require(
+            all(isinstance(r, KVRetention) for r in self.kv_retention),
+            "kv_retention",
+            "must be a KVRetention, a list of them or None",
         )
 
     @property

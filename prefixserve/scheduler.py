@@ -6,6 +6,12 @@ priority order, one token per decoding sequence (plus its draft tokens when it s
 waiting requests are admitted while the budget, ``max_num_seqs`` and the KV cache allow. A waiting
 request starts from its longest cached prefix, so only the rest is computed.
 
+With tiers under the pool (``prefixserve.kv.tiers``), a request whose prefix continues in a
+tier waits while its blocks load on the tier worker (started when it is queued); it keeps its
+place in line, requests behind it pass, and it is admitted once the load was applied (a failed
+load is a miss: those tokens are computed). Retention a request carries
+(``SamplingParams.kv_retention``) is applied when it is retired.
+
 When the KV cache runs out for a running request, the lowest-priority running request (the last
 one, never one already scheduled this step) is preempted: its blocks are freed (full ones stay
 cached) and it goes back to the front of the waiting queue, to be recomputed later, mostly from the
@@ -33,6 +39,7 @@ from dataclasses import dataclass
 from prefixserve.config import EngineConfig
 from prefixserve.errors import CacheCapacityError, InvalidArgumentError
 from prefixserve.kv.kv_cache_manager import KVCacheManager, PrefixHit
+from prefixserve.kv.retention import KVRetention
 from prefixserve.request_lifecycle import RequestLifecycle
 from prefixserve.sampling_step import SamplingResult
 from prefixserve.scheduler_output import ScheduledSeq, SchedulerOutput
@@ -124,6 +131,10 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
         self.prompt_tokens += len(request.prompt_token_ids)
+        for retention in request.kv_retention:
+            if retention.session is not None:
+                self.kv.observe_session(retention.session)
+        self._start_kv_load(request)  # prefetch from the tiers while it waits in line
 
     def abort_request(self, request_id: str, error: str | None = None) -> Request | None:
         """Finish a request now (its live sequences with "abort"), failed with ``error`` if
@@ -137,6 +148,14 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 
+    def retain_kv(
+        self, token_ids: list[int], block_hashes: list[int], retention: KVRetention
+    ) -> int:
+        return self.kv.retain(token_ids, block_hashes, retention)
+
+    def release_kv(self, session: str) -> int:
+        return self.kv.release(session)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -146,6 +165,8 @@ class Scheduler:
     # ---- the step -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self.kv.tick()
+        self.kv.apply_loads()
         out = SchedulerOutput()
         self._first_admitted.clear()
         budget = self.config.max_num_batched_tokens
@@ -214,12 +235,15 @@ class Scheduler:
         num_seqs = self.num_running_seqs()
         if self.config.scheduling_policy == "prefix":
             self._reorder_waiting_by_prefix()
-        compiling: list[Request] = []  # keep their place in line, let those behind them pass
+        held: list[Request] = []  # keep their place in line, let those behind them pass
         while self.waiting and budget > 0:
             request = self.waiting[0]
             if not self._start_grammar(request, out):
                 if not request.is_finished:  # a finished one already left the queue
-                    compiling.append(self.waiting.popleft())
+                    held.append(self.waiting.popleft())
+                continue
+            if self._awaits_kv_load(request):
+                held.append(self.waiting.popleft())
                 continue
             group = request.live_seqs()
             if num_seqs + max(len(group), request.num_samples) > self.config.max_num_seqs:
@@ -234,7 +258,26 @@ class Scheduler:
                 out.scheduled.append(sched)
                 budget -= sched.num_new_tokens
             num_seqs += len(group)
-        self.waiting.extendleft(reversed(compiling))
+        self.waiting.extendleft(reversed(held))
+
+    def _start_kv_load(self, request: Request) -> None:
+        """Ask the tiers for the blocks after the pool's hit (only for a request that reads the
+        prefix cache); ``request.kv_load`` says whether it must wait."""
+        seq = request.live_seqs()[0]
+        use = self.enable_caching and request.num_prompt_logprobs is None
+        started = use and self.kv.start_load(request, seq.token_ids, seq.block_hashes)
+        request.kv_load = "loading" if started else "done"
+
+    def _awaits_kv_load(self, request: Request) -> bool:
+        """Whether the request waits for its blocks from the tiers (a load is started for a
+        request requeued since its last one)."""
+        if request.kv_load is None:
+            self._start_kv_load(request)
+        if request.kv_load == "loading":
+            if not self.kv.load_finished(request):
+                return True
+            request.kv_load = "done"
+        return False
 
     def _start_grammar(self, request: Request, out: SchedulerOutput) -> bool:
         """Whether the request's grammar (if any) is ready: its first sequence gets its matcher
@@ -332,6 +375,7 @@ class Scheduler:
             self.kv.free(seq.seq_id)
             seq.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
+        request.kv_load = None  # its next admission may load from the tiers again
         self.waiting.appendleft(request)
 
     def abandon_step(self, out: SchedulerOutput) -> None:
@@ -382,8 +426,22 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         del self.requests[request.request_id]
+        if request.kv_load == "loading":
+            self.kv.cancel_load(request)
+        if request.error is None:
+            self._retain(request)
         if self.proposer is not None:
             self.proposer.remember(request)  # suffix drafts for the tenant's later requests
+
+    def _retain(self, request: Request) -> None:
+        """Apply the request's retentions to its prompt (or, ``include_output``, its first
+        sequence's whole text)."""
+        if not request.kv_retention:
+            return
+        seq = request.seqs[0]
+        for retention in request.kv_retention:
+            end = seq.num_tokens if retention.include_output else seq.num_prompt_tokens
+            self.kv.retain(seq.token_ids[:end], seq.block_hashes, retention)
 
     # ---- figures -------------------------------------------------------------------------------
 

@@ -127,6 +127,13 @@ class Request:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # beam search: finished hypotheses kept aside, best first, at most beam_width
     finished_beams: list = field(default_factory=list)
+    # the tiers under the pool: None (not asked yet), "loading" (waits for it), "done"
+    kv_load: str | None = None
+
+    @property
+    def kv_retention(self) -> tuple:
+        """The ``KVRetention`` s of its parameters (none for beam search)."""
+        return getattr(self.params, "kv_retention", ())
 
     @property
     def is_beam_search(self) -> bool:

@@ -274,6 +274,8 @@ def test_counters() -> None:
         "tail_hits": 0,
         "tail_hit_tokens": 0,
         "tail_blocks": 0,
+        "retained_cached_blocks": 0,
+        "tier_loaded_blocks": 0,
     }
     assert make(3).stats()["hit_rate"] == 0.0
 

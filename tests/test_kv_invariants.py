@@ -6,6 +6,11 @@ reads back exactly its own tokens and that every hashed block holds the KV its h
 Finished sequences leave their partial last block as a tail (``free_keeping_tail``), and
 admissions copy tails (``lookup`` with extra keys): every tail must hold the KV its key and
 tokens name.
+
+With tiers (``KVCacheMachineWithTiers``): a fake tier manager keeps what each evicted block's
+slots held, loads it back into fresh blocks (sometimes only a part: a failed load), and the
+same invariants must hold: a loaded block holds exactly the KV its hash names, and the counts
+still add up. Retention (retain, release, expiry) only reorders what is evicted.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from prefixserve.kv.hashing import extend_block_hashes
 from prefixserve.kv.kv_cache_manager import KVCacheManager
 from prefixserve.kv.partial_tail import tail_key
+from prefixserve.kv.retention import KVRetention, RetentionTable
 
 BS = 4
 NUM_BLOCKS = 16
@@ -250,3 +256,107 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 KVCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestKVCacheInvariants = KVCacheMachine.TestCase
+
+
+class FakeTiers:
+    """``KVTierManager``'s surface for ``KVCacheManager``, over the machine's simulated slots:
+    an evicted block's slots are kept (as the copy-out before any overwrite would), a load hands
+    back the leading blocks it holds, or fewer when told to fail part way."""
+
+    def __init__(self, slots: list) -> None:
+        self.slots = slots
+        self.store: dict[int, tuple[tuple[int, ...], list]] = {}
+        self.pending: list[tuple[object, list]] = []
+        self.in_flight: set[object] = set()
+        self.fail_after: int | None = None
+
+    def on_evicted(self, block) -> None:
+        self.store[block.block_hash] = (block.token_ids, list(self.slots[block.block_id]))
+
+    def on_committed(self, blocks, required: bool = False) -> None:
+        pass
+
+    def plan_load(self, keys) -> int:
+        n = 0
+        for key in keys:
+            kept = self.store.get(key.block_hash)
+            if kept is None or kept[0] != key.token_ids:
+                break
+            n += 1
+        return n
+
+    def start_load(self, load_id, keys) -> None:
+        found = [(key, self.store[key.block_hash][1]) for key in keys]
+        if self.fail_after is not None:
+            found = found[: self.fail_after]
+        self.in_flight.add(load_id)
+        self.pending.append((load_id, found))
+
+    def is_in_flight(self, load_id) -> bool:
+        return load_id in self.in_flight
+
+    def take_finished_loads(self):
+        done, self.pending = self.pending, []
+        for load_id, _ in done:
+            self.in_flight.discard(load_id)
+        return done
+
+    def write_blocks(self, block_ids, contents) -> None:
+        for block_id, content in zip(block_ids, contents):
+            self.slots[block_id] = list(content)
+
+    def clear_local(self) -> None:
+        self.store.clear()
+
+
+class KVCacheMachineWithTiers(KVCacheMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        self.tiers = FakeTiers(self.slots)
+        self.retention = RetentionTable(NUM_BLOCKS // 2, clock=lambda: self.now)
+        self.mgr = KVCacheManager(
+            NUM_BLOCKS, BS, watermark=0.1, tiers=self.tiers, retention=self.retention
+        )
+
+    @precondition(lambda self: self.finished)
+    @rule(data=st.data(), fail_after=st.sampled_from([None, 0, 1]))
+    def load_then_admit(self, data: st.DataObject, fail_after: int | None) -> None:
+        """A finished sequence's next turn: its blocks come back from the tier (or part of
+        them), then it is admitted on whatever the pool holds."""
+        seq = data.draw(st.sampled_from(self.finished))
+        self.tiers.fail_after = fail_after
+        load_id = object()
+        if self.mgr.start_load(load_id, seq.tokens + [0], seq.hashes):
+            self.mgr.apply_loads()
+            assert self.mgr.load_finished(load_id)
+        self.admit(seq.tokens + [0], seq.extra)
+
+    @precondition(lambda self: self.finished)
+    @rule(data=st.data(), ttl=st.sampled_from([1.0, 5.0]), session=st.sampled_from(["a", "b"]))
+    def retain(self, data: st.DataObject, ttl: float, session: str) -> None:
+        seq = data.draw(st.sampled_from(self.finished))
+        self.mgr.retain(seq.tokens, seq.hashes, KVRetention(ttl_s=ttl, session=session))
+
+    @rule(session=st.sampled_from(["a", "b"]))
+    def release(self, session: str) -> None:
+        self.mgr.release(session)
+
+    @rule(seconds=st.sampled_from([0.5, 2.0, 10.0]))
+    def time_passes(self, seconds: float) -> None:
+        self.now += seconds
+        self.mgr.tick()
+
+    @invariant()
+    def retained_blocks_wait_in_the_retained_lru(self) -> None:
+        pool = self.mgr.pool
+        assert len(self.retention) <= self.retention.budget_blocks
+        for block_id in pool.lru_block_ids()[len(pool.lru_block_ids()) - pool.num_retained_blocks :]:
+            block = pool.blocks[block_id]
+            assert block.block_hash is not None and self.retention.is_retained(block.block_hash)
+
+
+KVCacheMachineWithTiers.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None
+)
+TestKVCacheInvariantsWithTiers = KVCacheMachineWithTiers.TestCase

@@ -236,6 +236,33 @@ def test_the_mirror_applies_stores_removals_and_clears() -> None:
     assert mirror.held == {9}
 
 
+def test_the_mirror_keeps_one_set_per_medium_and_weighs_them() -> None:
+    """A block evicted from the pool into the host tier is still held; the hit is weighted by
+    the best medium; a reset keeps the shared server's blocks."""
+    mirror = HashMirror()
+    in_tier = lambda hashes, medium: BlockStored(  # noqa: E731
+        hashes, None, [0] * BS * len(hashes), BS, None, medium, None
+    )
+    mirror.apply([stored([1, 2]), in_tier([1, 2, 3], "DISK"), in_tier([4], "SHARED")])
+    mirror.apply([BlockRemoved([2], "GPU"), in_tier([2], "CPU_TIER")])
+    assert mirror.held == {1, 2, 3, 4} and mirror.hit_blocks([1, 2, 3, 4, 5]) == 4
+    assert mirror.hit_weight([1, 2, 3, 4]) == pytest.approx(1.0 + 0.9 + 0.6 + 0.4)
+    mirror.apply([AllBlocksCleared()])
+    assert mirror.held == {4}
+
+
+def test_a_block_in_the_shared_tier_counts_for_every_replica() -> None:
+    state = PrefixRouterState(RouterConfig(imbalance_threshold=10**9))
+    hashes = [11, 12, 13, 14]
+    state.mirror("a").apply([stored([11, 12, 13, 14])])
+    shared = BlockStored(hashes, None, [0] * BS * 4, BS, None, "SHARED", None)
+    state.mirror("a").apply([shared])
+    state.mirror("b")
+    state.mirror("c").apply([BlockStored(hashes[:2], None, [0] * BS * 2, BS, None, "DISK", None)])
+    hits = {c.replica: c.hit_tokens for c in state.candidates(["a", "b", "c"], hashes, BS)}
+    assert hits == {"a": 4 * BS, "b": round(4 * 0.4 * BS), "c": round((0.6 * 2 + 0.4 * 2) * BS)}
+
+
 def test_predictions_count_until_confirmed_removed_or_expired() -> None:
     clock = Clock()
     mirror = HashMirror(predict_ttl_s=10.0, clock=clock)

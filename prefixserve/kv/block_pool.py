@@ -5,12 +5,19 @@ Every block is in exactly one of three states::
     state     ref_cnt  identity             lives in
     free      0        none                 _free_ids (FIFO, handed out first)
     cached    0        block_hash or tail   _lru      (evictable, least recently used first)
+                       retained block_hash  _retained (evicted only once _lru is empty)
     used      > 0      any                  one or more block tables (or pinned, see below)
 
 so ``num_free_blocks + num_cached_blocks + num_used_blocks == num_blocks`` always.
 ``_hash_to_block`` maps each registered hash to the one block carrying it, used or cached.
 A block needed while no free one is left evicts the LRU head: its identity is dropped and
-the block is handed out as a fresh one.
+the block is handed out as a fresh one. With ``on_evict`` (the tiers under the pool,
+``prefixserve.kv.tiers``) a hashed block is handed to it first, hash and tokens still set, so
+its K/V can go down a tier instead of being dropped.
+
+Retention (``prefixserve.kv.retention``) is soft priority: a cached block whose hash
+``is_retained`` waits in ``_retained`` and is evicted only when ``_lru`` is empty (pressure);
+``unretain`` (expiry, release) moves it to the head of ``_lru``, next to be evicted.
 
 A *tail* (``prefixserve.kv.partial_tail``) is the partial last block of a finished sequence:
 ``tail_key`` names the prefix before it, ``token_ids`` its computed tokens (fewer than a block).
@@ -25,7 +32,7 @@ happens (a hash registered, evicted, or all of them cleared), so a router can mi
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,6 +58,7 @@ class KVBlock:
     block_hash: BlockHash | None = None
     token_ids: tuple[int, ...] | None = None
     tail_key: BlockHash | None = None
+    parent_hash: BlockHash | None = None  # the previous block's hash in its chain (tiers, events)
 
     @property
     def is_tail(self) -> bool:
@@ -65,6 +73,8 @@ class BlockPool:
         num_blocks: int,
         enable_caching: bool = True,
         kv_events: KVEventRecorder | None = None,
+        on_evict: Callable[[KVBlock], None] | None = None,
+        is_retained: Callable[[BlockHash], bool] | None = None,
     ) -> None:
         if num_blocks <= 0:
             raise InvalidArgumentError(
@@ -75,6 +85,9 @@ class BlockPool:
         self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
         self._free_ids: deque[int] = deque(range(num_blocks))
         self._lru: OrderedDict[int, KVBlock] = OrderedDict()
+        self._retained: OrderedDict[int, KVBlock] = OrderedDict()
+        self.on_evict = on_evict
+        self.is_retained = is_retained
         self._hash_to_block: dict[BlockHash, KVBlock] = {}
         self._tails: dict[BlockHash, list[KVBlock]] = {}
         self._num_tails = 0
@@ -89,8 +102,8 @@ class BlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
-        """Blocks with ref_cnt 0 that still carry a hash (evictable)."""
-        return len(self._lru)
+        """Blocks with ref_cnt 0 that still carry a hash or are tails (evictable)."""
+        return len(self._lru) + len(self._retained)
 
     @property
     def num_tail_blocks(self) -> int:
@@ -100,19 +113,24 @@ class BlockPool:
     @property
     def num_used_blocks(self) -> int:
         """Blocks with ref_cnt > 0."""
-        return self.num_blocks - len(self._free_ids) - len(self._lru)
+        return self.num_blocks - len(self._free_ids) - self.num_cached_blocks
+
+    @property
+    def num_retained_blocks(self) -> int:
+        """Cached blocks evicted only under pressure (retained)."""
+        return len(self._retained)
 
     @property
     def num_available_blocks(self) -> int:
         """Blocks that ``allocate`` can hand out now, evicting cached ones if needed."""
-        return len(self._free_ids) + len(self._lru)
+        return len(self._free_ids) + self.num_cached_blocks
 
     def is_evictable(self, block: KVBlock) -> bool:
-        return block.block_id in self._lru
+        return block.block_id in self._lru or block.block_id in self._retained
 
     def lru_block_ids(self) -> list[int]:
         """Evictable block ids, next to be evicted first."""
-        return list(self._lru)
+        return list(self._lru) + list(self._retained)
 
     def hashed_blocks(self) -> dict[BlockHash, KVBlock]:
         """A copy of the hash map (for tests and debugging)."""
@@ -129,7 +147,7 @@ class BlockPool:
             if self._free_ids:
                 block = self.blocks[self._free_ids.popleft()]
             else:
-                _, block = self._lru.popitem(last=False)
+                _, block = (self._lru or self._retained).popitem(last=False)
                 self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -142,11 +160,14 @@ class BlockPool:
             self._unindex_tail(block)
             return
         assert block.block_hash is not None
+        if self.on_evict is not None:
+            self.on_evict(block)
         if self.kv_events is not None:
             self.kv_events.on_block_removed(block.block_hash)
         del self._hash_to_block[block.block_hash]
         block.block_hash = None
         block.token_ids = None
+        block.parent_hash = None
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference to each block, in order.
@@ -160,17 +181,46 @@ class BlockPool:
             if block.ref_cnt == 0:
                 if block.block_hash is None and not block.is_tail:
                     self._free_ids.append(block.block_id)
+                elif self._retains(block):
+                    self._retained[block.block_id] = block
                 else:
                     self._lru[block.block_id] = block
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take one more reference to each block (a prefix hit or a fork); out of the LRU."""
-        lru = self._lru
         for block in blocks:
             if block.ref_cnt == 0:
                 assert block.block_hash is not None or block.is_tail, "touching a free block"
-                del lru[block.block_id]
+                self._unlist(block)
             block.ref_cnt += 1
+
+    def _unlist(self, block: KVBlock) -> None:
+        """Take a cached block out of whichever LRU holds it."""
+        if self._lru.pop(block.block_id, None) is None:
+            del self._retained[block.block_id]
+
+    def _retains(self, block: KVBlock) -> bool:
+        return (
+            self.is_retained is not None
+            and block.block_hash is not None
+            and self.is_retained(block.block_hash)
+        )
+
+    def retain(self, hashes: Iterable[BlockHash]) -> None:
+        """Cached blocks carrying these hashes wait in the retained LRU (used ones move there
+        when freed, through ``is_retained``)."""
+        for h in hashes:
+            block = self._hash_to_block.get(h)
+            if block is not None and self._lru.pop(block.block_id, None) is not None:
+                self._retained[block.block_id] = block
+
+    def unretain(self, hashes: Iterable[BlockHash]) -> None:
+        """Retention over (expired, released): these blocks are evicted next."""
+        for h in hashes:
+            block = self._hash_to_block.get(h)
+            if block is not None and self._retained.pop(block.block_id, None) is not None:
+                self._lru[block.block_id] = block
+                self._lru.move_to_end(block.block_id, last=False)
 
     def copy_on_write(self, block: KVBlock) -> KVBlock:
         """Swap one reference to a shared block for a fresh block holding a copy of it.
@@ -192,9 +242,14 @@ class BlockPool:
         del self._hash_to_block[block.block_hash]
         block.block_hash = None
         block.token_ids = None
+        block.parent_hash = None
         if block.ref_cnt == 0:
-            del self._lru[block.block_id]
+            self._unlist(block)
             self._free_ids.append(block.block_id)
+
+    def hashed_block(self, block_hash: BlockHash) -> KVBlock | None:
+        """The block registered under ``block_hash`` (used or cached), if any."""
+        return self._hash_to_block.get(block_hash)
 
     def get_cached_block(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVBlock | None:
         """The block registered under ``block_hash`` if it holds exactly ``token_ids``."""
@@ -221,6 +276,7 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
+        block.parent_hash = parent_hash
         self._hash_to_block[block_hash] = block
         if self.kv_events is not None:
             self.kv_events.on_block_stored(block_hash, parent_hash, block.token_ids)
@@ -300,10 +356,12 @@ class BlockPool:
             block.block_hash = None
             block.token_ids = None
             block.tail_key = None
+            block.parent_hash = None
         self._tails.clear()
         self._num_tails = 0
         self._hash_to_block.clear()
         self._lru.clear()
+        self._retained.clear()
         self._free_ids = deque(range(self.num_blocks))
         if self.kv_events is not None:
             self.kv_events.on_all_cleared()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 from xxhash import xxh3_128_intdigest
 
@@ -28,6 +29,21 @@ BlockHash = int
 ExtraKeys = tuple[Hashable, ...]
 
 _NO_PARENT = b"\x00"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockKey:
+    """What names a full block below the pool (``prefixserve.kv.tiers``): its chained hash
+    (cache salt included) and its token ids. ``parent_hash`` is not part of the identity; it
+    travels with the block (file headers, KV events)."""
+
+    block_hash: BlockHash
+    token_ids: tuple[int, ...]
+    parent_hash: BlockHash | None = None
+
+    @property
+    def hex(self) -> str:
+        return f"{self.block_hash:032x}"
 
 
 def _parent_bytes(parent_hash: BlockHash | None) -> bytes:

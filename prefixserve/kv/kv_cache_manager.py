@@ -24,6 +24,24 @@ written) unregisters every one, so no later request reads a block that holds not
 A finished sequence freed with ``free_keeping_tail`` leaves its partial last block behind as a
 tail; a later ``lookup`` with ``extra_keys`` may end in one, and ``allocate_for_prompt`` then
 adds a copy of it to the step's block copies (``prefixserve.kv.partial_tail``).
+
+With ``tiers`` (``prefixserve.kv.tiers.KVTierManager``), full blocks continue below the pool::
+
+    start_load(load_id, tokens, hashes)   the blocks after the pool's hit that the tiers hold:
+                                          loaded on the tier worker, the request waits (False:
+                                          nothing worth loading, admit it now)
+    apply_loads()                         each finished load: fresh blocks, K/V copied in, then
+                                          registered and freed to the LRU (cached, ref_cnt 0);
+                                          ``load_finished(load_id)`` turns True
+    commit_step()                         the step's new blocks are written through to the
+                                          disk and shared tiers; evicted ones go to the host tier
+
+A loaded block is registered only after its K/V was copied into it, outside any step's
+journal: a failed step cannot unregister it, and a failed load registers nothing.
+
+With ``retention`` (``prefixserve.kv.retention.RetentionTable``): ``retain`` protects a prefix's
+blocks (soft priority in the pool and the tiers, ``write_through`` to disk), ``release`` and
+``tick`` (expiry, once per schedule) drop the protection.
 """
 
 from __future__ import annotations
@@ -34,10 +52,12 @@ from typing import TYPE_CHECKING
 
 from prefixserve.errors import InvalidArgumentError
 from prefixserve.kv.block_pool import BlockPool, KVBlock
-from prefixserve.kv.hashing import BlockHash, ExtraKeys
+from prefixserve.kv.hashing import BlockHash, BlockKey, ExtraKeys
 from prefixserve.kv.partial_tail import tail_key
 
 if TYPE_CHECKING:
+    from prefixserve.kv.retention import KVRetention, RetentionTable
+    from prefixserve.kv.tiers.manager import KVTierManager
     from prefixserve.kv_events import KVEventRecorder
 
 SeqId = Hashable
@@ -82,6 +102,8 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         watermark: float = 0.01,
         kv_events: KVEventRecorder | None = None,
+        tiers: KVTierManager | None = None,
+        retention: RetentionTable | None = None,
     ) -> None:
         if block_size <= 0:
             raise InvalidArgumentError(
@@ -93,7 +115,18 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = int(watermark * num_blocks)
-        self.pool = BlockPool(num_blocks, enable_prefix_caching, kv_events)
+        self.tiers = tiers if enable_prefix_caching else None
+        self.retention = retention
+        self.pool = BlockPool(
+            num_blocks,
+            enable_prefix_caching,
+            kv_events,
+            on_evict=self.tiers.on_evicted if self.tiers is not None else None,
+            is_retained=retention.is_retained if retention is not None else None,
+        )
+        self._finished_loads: set[Hashable] = set()
+        self._cancelled_loads: set[Hashable] = set()
+        self._loaded_blocks = 0  # blocks loaded from the tiers into the pool (monotonic)
         self._seqs: dict[SeqId, _SeqState] = {}
         # this step's registrations: the blocks, and each sequence's num_registered before it
         self._step_blocks: list[tuple[KVBlock, BlockHash]] = []
@@ -274,8 +307,10 @@ class KVCacheManager:
             del state.blocks[keep:]
 
     def commit_step(self) -> None:
-        """The step's forward wrote its K/V: its registrations stand, its tail copies ran (their
-        tails are unpinned)."""
+        """The step's forward wrote its K/V: its registrations stand (and are written through to
+        the tiers that keep every computed block), its tail copies ran (tails are unpinned)."""
+        if self.tiers is not None and self._step_blocks:
+            self.tiers.on_committed([b for b, h in self._step_blocks if b.block_hash == h])
         self._step_blocks.clear()
         self._step_states.clear()
         for state in self._pinned:
@@ -338,8 +373,128 @@ class KVCacheManager:
         return [block.block_id for block in self._require(seq_id).blocks]
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix; refused (False) while any block is in use."""
-        return self.pool.reset_prefix_cache()
+        """Forget every cached prefix, the host and disk tiers' too (not the shared tier's:
+        other replicas use it); refused (False) while any block is in use."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.tiers is not None:
+            self.tiers.clear_local()
+        return True
+
+    # ---- tiers --------------------------------------------------------------------------------
+
+    def start_load(
+        self, load_id: Hashable, token_ids: Sequence[int], block_hashes: Sequence[BlockHash]
+    ) -> bool:
+        """Ask the tiers for the full blocks after the pool's hit (the lookup's cap applies);
+        True if a load started (the request waits for ``load_finished``)."""
+        if self.tiers is None:
+            return False
+        hit = self.lookup(token_ids, block_hashes)
+        bs = self.block_size
+        first = len(hit.blocks)
+        last = max(0, min((len(token_ids) - 1) // bs, len(block_hashes)))
+        keys = [
+            BlockKey(block_hashes[i], tuple(token_ids[i * bs : (i + 1) * bs]),
+                     block_hashes[i - 1] if i > 0 else None)
+            for i in range(first, last)
+        ]  # fmt: skip
+        num = self.tiers.plan_load(keys)
+        if num == 0:
+            return False
+        self.tiers.start_load(load_id, keys[:num])
+        return True
+
+    def apply_loads(self) -> None:
+        """Bring every finished load into the pool: fresh blocks (within the watermark), K/V
+        copied in, registered, then freed to the LRU (chain tail first, evicted before its head).
+        A block another request registered meanwhile is not registered twice (freed as is)."""
+        if self.tiers is None:
+            return
+        for load_id, loaded in self.tiers.take_finished_loads():
+            if load_id in self._cancelled_loads:
+                self._cancelled_loads.discard(load_id)
+            else:
+                self._finished_loads.add(load_id)
+            if loaded:
+                self._apply_load(loaded)
+
+    def _apply_load(self, loaded: list) -> None:
+        # the chain's blocks still in the pool are held meanwhile: allocating room for the
+        # loaded blocks must not evict the prefix they continue
+        chain = self._pool_chain(loaded[0][0].parent_hash)
+        self.pool.touch(chain)
+        num = min(len(loaded), max(0, self.pool.num_available_blocks - self.watermark_blocks))
+        loaded = [(key, kv) for key, kv in loaded[:num]
+                  if self.pool.get_cached_block(key.block_hash, key.token_ids) is None]  # fmt: skip
+        if loaded:
+            blocks = self.pool.allocate(len(loaded))
+            self.tiers.write_blocks([b.block_id for b in blocks], [kv for _, kv in loaded])
+            for block, (key, _) in zip(blocks, loaded):
+                self.pool.cache_block(block, key.block_hash, key.token_ids, key.parent_hash)
+            self.pool.free(reversed(blocks))
+            self._loaded_blocks += len(blocks)
+        self.pool.free(reversed(chain))
+
+    def _pool_chain(self, block_hash: BlockHash | None) -> list[KVBlock]:
+        """The pool's blocks of the chain ending at ``block_hash``, head first, back to the
+        first one missing."""
+        chain = []
+        while block_hash is not None and (block := self.pool.hashed_block(block_hash)) is not None:
+            chain.append(block)
+            block_hash = block.parent_hash
+        return chain[::-1]
+
+    def load_finished(self, load_id: Hashable) -> bool:
+        """Whether the load started for ``load_id`` was applied (forgotten once it says so)."""
+        if load_id in self._finished_loads:
+            self._finished_loads.discard(load_id)
+            return True
+        return False
+
+    def cancel_load(self, load_id: Hashable) -> None:
+        """The request went away: its load is still applied when it finishes (the blocks are
+        valid), then forgotten."""
+        if load_id in self._finished_loads:
+            self._finished_loads.discard(load_id)
+        elif self.tiers is not None and self.tiers.is_in_flight(load_id):
+            self._cancelled_loads.add(load_id)
+
+    # ---- retention ----------------------------------------------------------------------------
+
+    def retain(
+        self, token_ids: Sequence[int], block_hashes: Sequence[BlockHash], retention: KVRetention
+    ) -> int:
+        """Protect the full blocks of ``token_ids[:retention.num_tokens]``; the number of blocks
+        now retained. ``write_through`` also writes those in the pool to the disk tier."""
+        if self.retention is None or not self.enable_prefix_caching:
+            return 0
+        end = len(token_ids) if retention.num_tokens is None else retention.num_tokens
+        hashes = list(block_hashes[: min(end, len(token_ids)) // self.block_size])
+        granted = self.retention.retain(hashes, retention.ttl_s, retention.session)
+        self.pool.retain(granted)
+        if retention.write_through and self.tiers is not None:
+            in_pool = [b for h in granted if (b := self.pool.hashed_block(h)) is not None]
+            self.tiers.on_committed(in_pool, required=True)
+        return len(granted)
+
+    def release(self, session: str) -> int:
+        """Drop what ``session`` retained; the number of blocks no longer retained."""
+        if self.retention is None:
+            return 0
+        hashes = self.retention.release(session)
+        self.pool.unretain(hashes)
+        return len(hashes)
+
+    def observe_session(self, session: str) -> None:
+        """A request of ``session`` arrived (the TTL learner's gap since its tool-call pause)."""
+        if self.retention is not None:
+            self.retention.observe_request(session)
+
+    def tick(self) -> None:
+        """Expire retentions whose time passed (their blocks are evicted next)."""
+        if self.retention is not None:
+            self.pool.unretain(self.retention.expire())
 
     @property
     def usage(self) -> float:
@@ -360,6 +515,9 @@ class KVCacheManager:
             "tail_hits": self._tail_hits,
             "tail_hit_tokens": self._tail_hit_tokens,
             "tail_blocks": self.pool.num_tail_blocks,
+            "retained_cached_blocks": self.pool.num_retained_blocks,
+            "tier_loaded_blocks": self._loaded_blocks,
+            **(self.retention.stats() if self.retention is not None else {}),
         }
 
     def _unpin(self, state: _SeqState) -> None:

@@ -11,6 +11,12 @@ should go. ``ray_router.py`` plugs this into Ray Serve; nothing here imports Ray
     token ids + salt ──▶ request_block_hashes ──▶ per replica: Candidate(hit tokens, load tokens)
                                               ──▶ choose() ──▶ Decision(ranking, reason)
 
+Tiers: an engine with tiers under its KV pool reports each block with the ``medium`` holding it
+(``GPU``, ``CPU_TIER``, ``DISK``, ``SHARED``); the mirror keeps one set per medium, and a block
+counts toward a replica's hit with its best medium's weight (``MEDIUM_WEIGHTS``: a block to load
+is worth less than one in the pool). A ``SHARED`` block is in a server every replica reads, so
+it counts for every replica, whoever announced it.
+
 The hashes are the engine's own (``extend_block_hashes`` over the token ids with the cache salt
 as extra key, then ``external_block_hash``), so a hit predicted here is the hit the engine's
 ``lookup`` finds, event lag aside (about one engine step).
@@ -39,6 +45,7 @@ from dataclasses import dataclass, field, replace
 from prefixserve.errors import require
 from prefixserve.kv.hashing import extend_block_hashes
 from prefixserve.kv_events import (
+    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -48,6 +55,10 @@ from prefixserve.kv_events import (
 )
 
 PREFIX, LOAD, COLD = "prefix", "load", "cold"
+MEDIUM_WEIGHTS = {MEDIUM_GPU: 1.0, "CPU_TIER": 0.9, "DISK": 0.6, "SHARED": 0.4}
+"""What a held block saves, by the medium holding it: loading from host memory costs little,
+from disk or a server more (measured per block by the engine: ``kv_tiers`` in its stats)."""
+SHARED = "SHARED"
 REASONS = (PREFIX, LOAD, COLD)
 ROUTERS = ("prefix", "pow2", "ray-prefix")
 """``prefix``: this module's rule; ``pow2``: Ray's power-of-two choices; ``ray-prefix``: Ray's
@@ -70,10 +81,13 @@ class HashMirror:
     """The block hashes one replica's prefix cache holds, rebuilt from its KV events, and those
     the router expects it to hold soon.
 
-    Invariant: after applying a replica's events in order, ``held`` equals the external hashes
-    of its block pool (``KVEventRecorder``'s promise). A predicted hash leaves ``predicted`` when
-    a ``BlockStored`` confirms it (it is then held), a ``BlockRemoved`` or ``AllBlocksCleared``
-    drops it, or ``predict_ttl_s`` passes. Thread-safe: an event thread applies, the router reads.
+    Invariant: after applying a replica's events in order, ``held_in(medium)`` equals the
+    external hashes that medium holds (``KVEventRecorder``'s promise; the pool is ``GPU``), and
+    ``held`` is their union. ``AllBlocksCleared`` empties every medium but ``SHARED`` (the
+    replica clears its own pool and tiers, not the shared server). A predicted hash leaves
+    ``predicted`` when a ``BlockStored`` confirms it (it is then held), a ``BlockRemoved`` that
+    leaves it in no medium or an ``AllBlocksCleared`` drops it, or ``predict_ttl_s`` passes.
+    Thread-safe: an event thread applies, the router reads.
     """
 
     def __init__(
@@ -81,7 +95,7 @@ class HashMirror:
     ) -> None:
         self.predict_ttl_s = predict_ttl_s
         self._clock = clock
-        self._held: set[ExternalBlockHash] = set()
+        self._media: dict[str, set[ExternalBlockHash]] = {}
         self._predicted: dict[ExternalBlockHash, float] = {}  # hash -> expiry
         self._lock = threading.Lock()
 
@@ -89,21 +103,30 @@ class HashMirror:
         with self._lock:
             for event in events:
                 if isinstance(event, BlockStored):
-                    self._held.update(event.block_hashes)
+                    self._in(event.medium).update(event.block_hashes)
                     for h in event.block_hashes:
                         self._predicted.pop(h, None)
                 elif isinstance(event, BlockRemoved):
-                    self._held.difference_update(event.block_hashes)
+                    self._in(event.medium).difference_update(event.block_hashes)
                     for h in event.block_hashes:
-                        self._predicted.pop(h, None)
+                        if not self._holds(h):
+                            self._predicted.pop(h, None)
                 elif isinstance(event, AllBlocksCleared):
-                    self._held.clear()
+                    for medium, held in self._media.items():
+                        if medium != SHARED:
+                            held.clear()
                     self._predicted.clear()
+
+    def _in(self, medium: str | None) -> set[ExternalBlockHash]:
+        return self._media.setdefault(medium or MEDIUM_GPU, set())
+
+    def _holds(self, h: ExternalBlockHash) -> bool:
+        return any(h in held for held in self._media.values())
 
     def clear(self) -> None:
         """Forget everything (the replica's event stream had a gap we cannot fill)."""
         with self._lock:
-            self._held.clear()
+            self._media.clear()
             self._predicted.clear()
 
     def predict(self, hashes: Iterable[ExternalBlockHash]) -> None:
@@ -111,23 +134,50 @@ class HashMirror:
         expiry = self._clock() + self.predict_ttl_s
         with self._lock:
             for h in hashes:
-                if h not in self._held:
+                if h not in self._in(MEDIUM_GPU):
                     self._predicted[h] = expiry
 
     def hit_blocks(self, hashes: Sequence[ExternalBlockHash]) -> int:
         """How many of ``hashes``, from the first, the replica holds or is predicted to hold."""
+        return len(self._weights(hashes, ()))
+
+    def hit_weight(
+        self, hashes: Sequence[ExternalBlockHash], shared: Sequence[set[ExternalBlockHash]] = ()
+    ) -> float:
+        """The blocks of ``hashes`` the replica holds, from the first, each weighted by its best
+        medium (``MEDIUM_WEIGHTS``; a predicted block as ``GPU``); ``shared``: the ``SHARED``
+        sets of every replica, which this one reads too."""
+        return sum(self._weights(hashes, shared))
+
+    def _weights(
+        self, hashes: Sequence[ExternalBlockHash], shared: Sequence[set[ExternalBlockHash]]
+    ) -> list[float]:
         now = self._clock()
+        out: list[float] = []
         with self._lock:
-            held, predicted = self._held, self._predicted
-            for i, h in enumerate(hashes):
-                if h not in held and predicted.get(h, 0.0) <= now:
-                    return i
-            return len(hashes)
+            media, predicted = list(self._media.items()), self._predicted
+            for h in hashes:
+                best = 1.0 if predicted.get(h, 0.0) > now else 0.0
+                for medium, held in media:
+                    if h in held:
+                        best = max(best, MEDIUM_WEIGHTS.get(medium, 0.5))
+                if best == 0.0 and any(h in s for s in shared):
+                    best = MEDIUM_WEIGHTS[SHARED]
+                if best == 0.0:
+                    return out
+                out.append(best)
+        return out
+
+    def held_in(self, medium: str) -> set[ExternalBlockHash]:
+        """The live set of one medium (read without the lock: membership tests only)."""
+        with self._lock:
+            return self._in(medium)
 
     @property
     def held(self) -> frozenset[ExternalBlockHash]:
+        """Every hash held in any medium."""
         with self._lock:
-            return frozenset(self._held)
+            return frozenset().union(*self._media.values())
 
     def num_blocks(self) -> int:
         """Blocks held plus live predictions (expired ones are dropped here)."""
@@ -136,7 +186,7 @@ class HashMirror:
             expired = [h for h, t in self._predicted.items() if t <= now]
             for h in expired:
                 del self._predicted[h]
-            return len(self._held) + len(self._predicted)
+            return len(set().union(*self._media.values())) + len(self._predicted)
 
 
 @dataclass(frozen=True)
@@ -269,8 +319,9 @@ class PrefixRouterState:
         with self._lock:
             mirrors = [self._mirror(r) for r in replicas]
             loads = [self._counters[r].load_tokens for r in replicas]
+            shared = [m.held_in(SHARED) for m in self._mirrors.values()]
         return [
-            Candidate(r, m.hit_blocks(hashes) * block_size, load, m.num_blocks())
+            Candidate(r, round(m.hit_weight(hashes, shared) * block_size), load, m.num_blocks())
             for r, m, load in zip(replicas, mirrors, loads)
         ]
 
