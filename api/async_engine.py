@@ -9,6 +9,12 @@ Threads and ownership::
     RequestStream.queue  <-- call_soon_threadsafe --  engine.step() outputs, one batch per step
     snapshot() <------------- the engine's latest ``EngineStats``, published every step
 
+The server builds the engine on the engine thread itself (``AsyncEngine.launch``): loading,
+compiling and every step then run on one thread, whose OpenMP team is the process's only one.
+With a second team (the loading thread's, idle), libgomp counts more threads than cores and
+throttles its spin-waits, and every parallel region of a step sleeps and wakes: a SmolLM2 decode
+step took 75 ms instead of 45.
+
 Invariants: only the engine thread touches the engine; handlers never block on it (they await
 their stream's queue); every stream receives exactly one terminal item (a finished output, an
 error, or the engine's death). If the loop raises, ``dead`` holds the error, every live stream is
@@ -31,6 +37,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from prefixserve.api.frontend.protocol import APIError
@@ -171,19 +178,46 @@ class AsyncEngine:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._go = threading.Event()  # ``launch``ed: the thread waits for ``start`` (or ``stop``)
         self._snapshot = engine.stats()
+
+    @classmethod
+    def launch(cls, build: Callable[[], LLMEngine], **kwargs) -> AsyncEngine:
+        """An ``AsyncEngine`` whose ``LLMEngine`` is ``build()``-t on the engine thread, which
+        then waits for ``start`` and runs the loop (see the module docstring for why). Returns
+        once the engine is built; raises what ``build`` raised."""
+        built: Future[AsyncEngine] = Future()
+
+        def engine_thread() -> None:
+            try:
+                engine = cls(build(), **kwargs)
+            except BaseException as exc:
+                built.set_exception(exc)
+                return
+            engine._thread = threading.current_thread()
+            built.set_result(engine)
+            engine._go.wait()
+            engine._run()
+
+        threading.Thread(target=engine_thread, name="prefixserve-engine", daemon=True).start()
+        return built.result()
 
     # ---- event-loop side ---------------------------------------------------------------------
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="prefixserve-engine", daemon=True)
-        self._thread.start()
+        if self._thread is None:  # built elsewhere: the loop gets a thread of its own
+            self._thread = threading.Thread(
+                target=self._run, name="prefixserve-engine", daemon=True
+            )
+            self._thread.start()
+        self._go.set()
 
     def stop(self) -> None:
         with self._cond:
             self._stopping = True
             self._cond.notify()
+        self._go.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
         self.engine.shutdown()

@@ -174,21 +174,20 @@ def _validation_param(exc: RequestValidationError) -> str | None:
 
 
 def create_app(
-    llm_engine: LLMEngine,
+    llm_engine: LLMEngine | AsyncEngine,
     config: ServerConfig,
     on_engine_death: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
     """One app per engine, built with everything it serves: the engine thread
-    (``app.state.engine``), its metrics and the handlers; no module-level state.
+    (``app.state.engine``: ``llm_engine`` itself when it is an ``AsyncEngine`` not yet started,
+    as ``run_server`` launches it), its metrics and the handlers; no module-level state.
     ``served_model_names`` default to the model's own name."""
-    names = config.served_model_names or [llm_engine.model_name]
+    engine = llm_engine if isinstance(llm_engine, AsyncEngine) else AsyncEngine(llm_engine)
+    names = config.served_model_names or [engine.model_name]
     metrics = ServerMetrics(names[0])
-    engine = AsyncEngine(
-        llm_engine,
-        observer=metrics.observe_step,
-        max_waiting=config.max_waiting_requests,
-        on_death=on_engine_death,
-    )
+    engine.observer = metrics.observe_step
+    engine.max_waiting = config.max_waiting_requests
+    engine.on_death = on_engine_death
     app = build_app(engine, config)
     app.state.metrics = metrics
     metrics.registry.register(ResponsesCollector(names[0], app.state.responses))
@@ -408,7 +407,9 @@ def run_server(
 
     from prefixserve.config import EngineConfig
 
-    llm_engine = LLMEngine(EngineConfig(**engine_kwargs))
+    # built on the thread that will step it (AsyncEngine.launch: one OpenMP team)
+    engine = AsyncEngine.launch(lambda: LLMEngine(EngineConfig(**engine_kwargs)))
+    llm_engine = engine.engine
     if engine_hook is not None:
         engine_hook(llm_engine)
 
@@ -416,8 +417,7 @@ def run_server(
         logger.error("stopping the server: the engine loop died (%r)", exc)
         server.should_exit = True
 
-    app = create_app(llm_engine, config, on_engine_death=on_death)
-    engine = app.state.engine
+    app = create_app(engine, config, on_engine_death=on_death)
 
     class DrainingServer(uvicorn.Server):
         """The first SIGTERM/SIGINT starts a drain and exits after it; a second SIGINT forces."""

@@ -17,7 +17,7 @@ from tests.servers import server_process
 BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH_DIR))
 
-import decode  # noqa: E402
+from decode import http as decode  # noqa: E402
 from peers import llama_server as peer  # noqa: E402
 from peers import roofline  # noqa: E402
 

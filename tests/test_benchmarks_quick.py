@@ -25,7 +25,6 @@ import multi_turn_agents  # noqa: E402
 import rag  # noqa: E402
 import report  # noqa: E402
 import shared_prefix  # noqa: E402
-import step_profile  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -123,13 +122,6 @@ def test_rounds_start_cold_and_report_the_median(tiny_model: Path, tmp_path: Pat
     ratio = result["ratios"]["prefixserve/hf-no-reuse"]
     per_round = result["ratios_per_round"]["prefixserve/hf-no-reuse"]
     assert min(per_round) <= ratio * (1 + 1e-9) and ratio <= max(per_round) * (1 + 1e-9)
-
-
-def test_step_profile(tiny_model: Path, tmp_path: Path) -> None:
-    result = step_profile.main(_common(tiny_model, tmp_path))
-    assert [r["batch"] for r in result["rows"]] == [4, 8]
-    assert all(0 <= r["non_forward_pct"] <= 100 for r in result["rows"])
-    assert (tmp_path / "step_profile.png").exists()
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
-"""Smoke tests of the decode benchmarks on a tiny random checkpoint: they run end to end and
-report what they claim to (no speed is checked; the figures live in the README)."""
+"""Smoke tests of the decode benchmark's modes (``benchmarks/decode``) on a tiny random
+checkpoint: they run end to end and report what they claim to (no speed is checked; the figures
+live in the README)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from prefixserve.models import llama
 from tests.checkpoints import make_checkpoint
 
 BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH_DIR))
 
-import decode_ab  # noqa: E402
-import decode_profile  # noqa: E402
+from decode import ab, offline  # noqa: E402
+from decode import profile as decode_profile  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -24,20 +24,37 @@ def tiny_model(tmp_path_factory) -> Path:
     return make_checkpoint("llama", tmp_path_factory.mktemp("decode-bench"), seed=5)
 
 
-def test_decode_profile_reports_each_piece_and_restores_the_model(tiny_model, capsys):
-    forward = llama.LlamaForCausalLM.forward
-    decode_profile.main(["--model", str(tiny_model), "--streams", "2", "--steps", "2"])
-    out = capsys.readouterr().out
-    for piece in ("model forward", "MLP", "RMSNorm", "apply_rope", "lm_head", "sample"):
-        assert piece in out
-    assert "aten ops per step" in out
-    assert llama.LlamaForCausalLM.forward is forward  # the labels are gone
+def test_offline_compares_variants_and_reports_memory(tiny_model, tmp_path, capsys):
+    argv = ["--model", str(tiny_model), "--schemes", "float32", "int8", "--variants", "compiled",
+            "eager", "--streams", "1", "2", "--max-tokens", "4", "--rounds", "2",
+            "--out-dir", str(tmp_path)]  # fmt: skip
+    result = offline.main(argv)
+    assert {(r["engine"], r["streams"]) for r in result["rows"]} == {
+        (f"{s}/{v}", n) for s in ("float32", "int8") for v in ("compiled", "eager") for n in (1, 2)
+    }
+    assert all(len(r["rounds"]) == 2 and r["tokens_per_s"] > 0 for r in result["rows"])
+    memory = result["memory"]
+    assert memory["float32/compiled"]["compile_seconds"].keys() == {"1", "2-256"}
+    assert memory["float32/eager"]["compile_seconds"] == {}
+    assert memory["int8/eager"]["weight_bytes"] < memory["float32/eager"]["weight_bytes"]
+    assert "x float32's" in capsys.readouterr().out
+    assert json.loads((tmp_path / "decode_offline.json").read_text())["rows"]
 
 
-def test_decode_ab_compares_two_checkouts_in_turn(tiny_model, tmp_path):
-    argv = ["--baseline", str(decode_ab.THIS_CHECKOUT), "--model", str(tiny_model),
+def test_profile_sorts_the_step_into_its_pieces(tiny_model, capsys):
+    result = decode_profile.main(["--model", str(tiny_model), "--streams", "2", "--steps", "2"])
+    rows = result[2]["ms_per_step"]
+    assert {"linear kernels", "attention kernel", "compiled graph (wrapper, fused kernels)"} <= set(
+        rows
+    )
+    assert result[2]["unprofiled_ms"]["min"] > 0
+    assert "ms per profiled step" in capsys.readouterr().out
+
+
+def test_ab_compares_two_checkouts_in_turn(tiny_model, tmp_path):
+    argv = ["--baseline", str(ab.THIS_CHECKOUT), "--model", str(tiny_model),
             "--streams", "1", "2", "--rounds", "1", "--steps", "3", "--out-dir", str(tmp_path)]  # fmt: skip
-    result = decode_ab.main(argv)
+    result = ab.main(argv)
     for n in ("1", "2"):
         for name in ("baseline", "new"):
             assert len(result["steps"][name][n]["wall"]) == 3  # every decode step is timed

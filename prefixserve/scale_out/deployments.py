@@ -93,18 +93,17 @@ class EngineReplica:
         config = EngineConfig(
             **{**engine_kwargs, "kv_events_endpoint": local, "kv_events_replay_endpoint": local}
         )
-        llm_engine = LLMEngine(config)
+        # built on the thread that will step it (AsyncEngine.launch: one OpenMP team)
+        self.engine = AsyncEngine.launch(lambda: LLMEngine(config))
+        llm_engine = self.engine.engine
         publisher = llm_engine.kv_event_publisher
         self.kv_events = KVEventsEndpoint(
             publisher.endpoint, publisher.replay_endpoint, config.block_size
         )
         names = server_config.served_model_names or [llm_engine.model_name]
         self.metrics = ServerMetrics(names[0])
-        self.engine = AsyncEngine(
-            llm_engine,
-            observer=self.metrics.observe_step,
-            max_waiting=server_config.max_waiting_requests,
-        )
+        self.engine.observer = self.metrics.observe_step
+        self.engine.max_waiting = server_config.max_waiting_requests
         self.engine.start()
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.info = EngineInfo(

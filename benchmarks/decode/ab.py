@@ -1,7 +1,7 @@
 """Decode step time of this checkout against another one (before/after a change), in one run.
 
     git archive <old-commit> | tar -x -C /tmp/base
-    python benchmarks/decode_ab.py --baseline /tmp/base [--model smollm2] [--streams 1 8]
+    python benchmarks/decode ab --baseline /tmp/base [--model smollm2] [--streams 1 8]
         [--rounds 3] [--steps 32] [--threads 1]
 
 Workload: N streams (``--streams``) with distinct 32-token prompts, greedy, EOS ignored, admitted
@@ -25,8 +25,10 @@ import sys
 import time
 from pathlib import Path
 
+from decode.common import write
+
 HERE = Path(__file__).resolve()
-THIS_CHECKOUT = HERE.parents[1]
+THIS_CHECKOUT = HERE.parents[2]
 
 
 def measure(model: str, streams: list[int], steps: int, threads: int) -> dict:
@@ -61,7 +63,7 @@ def run_worker(checkout: Path, args: argparse.Namespace) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     if checkout != THIS_CHECKOUT:
         env["PYTHONPATH"] = os.pathsep.join([str(checkout), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, str(HERE), "--worker", "--model", args.model, "--steps",
+    cmd = [sys.executable, str(HERE.parent), "ab", "--worker", "--model", args.model, "--steps",
            str(args.steps), "--threads", str(args.threads), "--streams", *map(str, args.streams)]  # fmt: skip
     out = subprocess.run(cmd, env=env, cwd="/", capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -114,11 +116,5 @@ def main(argv: list[str] | None = None) -> dict | None:
               f"{row['new_wall_ms']['median']:.1f} (x{row['wall_ratio']:.2f})")  # fmt: skip
     result = {"model": args.model, "threads": args.threads, "baseline": str(args.baseline),
               "summary": summary, "steps": steps}  # fmt: skip
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "decode_ab.json").write_text(json.dumps(result, indent=2))
+    write(args.out_dir, "decode_ab.json", result)
     return result
-
-
-if __name__ == "__main__":
-    main()
