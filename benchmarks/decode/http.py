@@ -33,10 +33,10 @@ import random
 import statistics
 
 import httpx
-from decode.common import SCHEMES, decode_rate, set_threads, write
 from peers import llama_server as peer
 from peers.roofline import copy_bandwidth, roofline_tokens_per_s
 
+from decode.common import SCHEMES, decode_rate, set_threads, write
 from prefixserve import LLM
 
 # pair -> (prefixserve serve options on the shipped file, llama-server's GGUF type, relation)

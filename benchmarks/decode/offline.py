@@ -38,7 +38,6 @@ from decode.common import (
     weight_bytes,
     write,
 )
-
 from prefixserve import LLM
 
 KV_BLOCKS = 256

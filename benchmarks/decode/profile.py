@@ -20,9 +20,9 @@ import statistics
 import time
 
 import torch
-from decode.common import SCHEMES, set_threads
 from torch.profiler import ProfilerActivity, profile
 
+from decode.common import SCHEMES, set_threads
 from prefixserve import LLM, SamplingParams
 
 # profiler event key -> row
