@@ -7,6 +7,6 @@ from pathlib import Path
 # ``profile`` would shadow the standard library's: benchmarks/ takes its place.
 sys.path[0] = str(Path(__file__).resolve().parent.parent)  # benchmarks/: peers, decode
 
-from decode import main
+from decode import main  # noqa: E402
 
 main(sys.argv[1:])
