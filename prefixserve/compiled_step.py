@@ -7,8 +7,10 @@ few generated kernels per layer. The matmuls stay the ``cpu_linear`` kernels; at
 K/V write, and a Qwen3-MoE block's routing, stay opaque ops (``attention.in_graph``), so the graph
 carries no paged metadata and never changes from step to step.
 
-Buckets: two graphs, one for a single row and one for 2 .. ``largest`` rows with the batch
-dimension symbolic (``torch._dynamo.mark_dynamic``): on CPU nothing has to be captured at a
+Steps: decodes, and speculative verify steps (a sequence's last token and its drafts: at most
+``1 + num_speculative_tokens`` tokens a sequence), every row sampling. Buckets: two graphs, one
+for a single row and one for 2 .. ``largest`` rows with the token dimension symbolic
+(``torch._dynamo.mark_dynamic``): on CPU nothing has to be captured at a
 fixed address, the C++ kernels take any row count, and one symbolic graph replaces the per-size
 captures CUDA needs (each a compile of the whole model: about half a minute for SmolLM2 on two
 cores). No step pads and nothing recompiles at run time: ``capture`` compiles both at start-up
@@ -77,9 +79,15 @@ class CompiledStepRunner(DecodeReplay):
     kind = "compiled"
 
     def __init__(
-        self, model: LlamaForCausalLM, backend: AttentionBackend, largest: int, block_size: int
+        self,
+        model: LlamaForCausalLM,
+        backend: AttentionBackend,
+        largest: int,
+        block_size: int,
+        max_query_len: int = 1,
     ) -> None:
         super().__init__([1, largest] if largest > 1 else [1])
+        self.max_query_len = max_query_len
         self.backend, self.block_size = backend, block_size
         self.moe = {i: layer.mlp for i, layer in enumerate(model.model.layers)
                     if isinstance(layer.mlp, SparseMoeBlock)}  # fmt: skip
@@ -98,7 +106,10 @@ class CompiledStepRunner(DecodeReplay):
             return None
         cache = config.compile_cache_dir or str(DEFAULT_CACHE_DIR.expanduser())
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache)  # Inductor reads it from there
-        return cls(model, backend, config.max_num_seqs, config.block_size)
+        spec = config.speculative_config
+        max_query_len = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+        largest = min(config.max_num_seqs * max_query_len, config.max_num_batched_tokens)
+        return cls(model, backend, largest, config.block_size, max_query_len)
 
     @torch.inference_mode()
     def capture(self, kv_caches: torch.Tensor) -> None:

@@ -6,9 +6,10 @@ not by its arithmetic. At start-up a runner captures the model's whole decode fo
 batch-size buckets (``sizes``; CUDA: one graph per size, CPU: see ``compiled_step``); a step that
 ``replays`` runs the capture and returns the final hidden states, any other runs eagerly.
 
-What replays, on every device: a step of decodes alone (one query token per sequence) where
-every row samples (the model's ``keep`` is None), at most ``largest`` rows. Each runner adds its
-own conditions. ``--enforce-eager`` (``EngineConfig.enforce_eager``) turns replay off; a capture
+What replays, on every device: a step where every sequence runs at most ``max_query_len``
+tokens (1: decodes alone; the compiled CPU step also takes speculative verify steps, a
+sequence's last token and its drafts) and every row samples (the model's ``keep`` is None), at
+most ``largest`` rows in all. Each runner adds its own conditions. ``--enforce-eager`` (``EngineConfig.enforce_eager``) turns replay off; a capture
 that fails turns it off with one log line, and every step then runs eagerly.
 """
 
@@ -35,6 +36,7 @@ class DecodeReplay(ABC):
     bucket (a label: a size, or a range of sizes) to the seconds its capture took."""
 
     kind: str = "abstract"
+    max_query_len: int = 1
 
     def __init__(self, sizes: list[int]) -> None:
         self.sizes = sizes
@@ -46,9 +48,10 @@ class DecodeReplay(ABC):
         return self.sizes[-1]
 
     def replays(self, md: AttentionMetadata, keep: Keep | None) -> bool:
-        """The steps every runner can replay: decodes alone, all sampling, at most ``largest``."""
-        n = md.num_seqs
-        return keep is None and md.num_decodes == n and 0 < n <= self.largest
+        """The steps the runner replays: at most ``max_query_len`` tokens a sequence, every row
+        sampling, at most ``largest`` rows."""
+        rows = sum(md.query_lens_cpu)
+        return keep is None and md.max_query_len <= self.max_query_len and 0 < rows <= self.largest
 
     @abstractmethod
     def capture(self, kv_caches: torch.Tensor) -> None:

@@ -9,7 +9,8 @@ partial results are merged by log-sum-exp (``out = sum_p e^lse_p out_p / sum_p e
     part 2 (prior context):   each query sees all of it; only key padding is masked
     part 3 (the chunk):       causal among the chunk's own tokens (K/V straight from this step)
 
-On CPU in float32 a step of decodes alone runs the C++ paged attention kernel instead
+On CPU in float32 a step whose sequences each run at most ``TOKEN_BY_TOKEN_MAX_QUERY`` tokens
+(decodes, speculative verify steps, short chunks) runs the C++ paged attention kernel instead
 (``prefixserve.kernels.cpu_attention``): it writes the K/V and reads each sequence's blocks in
 place, one token at a time, so a token's result does not depend on the rest of the batch;
 prefix groups are not used there. With ``batch_invariant`` every step runs it (prefill chunks
@@ -51,6 +52,8 @@ logger = logging.getLogger(__name__)
 # FREE_PADDING_TOKENS tokens: there, one call for many short chunks beats the padding it costs.
 MAX_PADDING_FACTOR = 1.25
 FREE_PADDING_TOKENS = 64
+# steps whose sequences run at most this many tokens each go token by token through the C++ kernel
+TOKEN_BY_TOKEN_MAX_QUERY = 8
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -78,9 +81,8 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:  # [T, nh, hd]
         md = attn_metadata
-        if (self.batch_invariant or md.num_decodes == query.shape[0]) and _cpu_kernel_applies(
-            query
-        ):
+        token_by_token = self.batch_invariant or md.max_query_len <= TOKEN_BY_TOKEN_MAX_QUERY
+        if token_by_token and _cpu_kernel_applies(query):
             if md.backend_plan is None:
                 md.backend_plan = token_contexts(md)  # (token_seq, token_len), every layer's
             return paged_attention(
