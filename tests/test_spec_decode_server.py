@@ -47,7 +47,8 @@ def test_suffix_index_memory_is_in_metrics_and_stats():
         BYTES_PER_NGRAM
     )
     spec = {"method": "suffix", "num_speculative_tokens": 3, "prompt_lookup_min": min_n,
-            "prompt_lookup_max": max_n, "suffix_decoding_max_cached_bytes": one_output + 1000}  # fmt: skip
+            "prompt_lookup_max": max_n,
+            "suffix_decoding_max_cached_bytes": one_output + 1000}  # fmt: skip
     with launch_server("--speculative-config", json.dumps(spec)) as base:
         for salt in ("tenant-a", "tenant-b"):
             r = httpx.post(f"{base}/v1/completions", timeout=60, json={

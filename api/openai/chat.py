@@ -66,8 +66,8 @@ class ChatServing(TemplateServing):
     async def create(self, req: ChatCompletionRequest, raw_request: Request):
         model = self.check_model(req.model)
         check_supported(req, "chat")
-        effort = effort_kwargs(req.reasoning_effort,
-                               req.chat_template or self.engine.tokenizer.chat_template)  # fmt: skip
+        template = req.chat_template or self.engine.tokenizer.chat_template
+        effort = effort_kwargs(req.reasoning_effort, template)
         headers = {"x-prefixserve-ignored": "reasoning_effort"} if effort is None else {}
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs: requires logprobs=true", 400, "top_logprobs")

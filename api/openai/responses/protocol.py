@@ -2,9 +2,9 @@
 
 Every field OpenAI documents is honoured, accepted without effect and named in the
 ``x-prefixserve-ignored`` response header (``text.verbosity``; ``reasoning.effort`` where the
-chat template has no thinking switch: ``frontend/reasoning_effort.py``), or refused with a 400 naming it (``check_supported``);
-fields nobody documents are accepted and ignored, as on the other endpoints. ``cache_salt``
-(vLLM's) names the tenant's prefix-cache and store namespace.
+chat template has no thinking switch: ``frontend/reasoning_effort.py``), or refused with a 400
+naming it (``check_supported``); fields nobody documents are accepted and ignored, as on the
+other endpoints. ``cache_salt`` (vLLM's) names the tenant's prefix-cache and store namespace.
 """
 
 from __future__ import annotations
