@@ -63,6 +63,16 @@ class EngineOverloadedError(APIError):
     def __init__(self, message: str) -> None:
         super().__init__(message, 503, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
+    @classmethod
+    def check(cls, queued: int, count: int, limit: int | None, waiting: str) -> None:
+        """Raise if ``count`` more requests would take the ``queued`` ones past ``limit`` (None:
+        no limit); ``waiting`` says what they wait for, in the message."""
+        if limit is not None and queued + count > limit:
+            raise cls(
+                f"the server is overloaded: {queued} requests {waiting} (limit {limit}); retry "
+                f"after {RETRY_AFTER_SECONDS} s"
+            )
+
 
 class RequestTimeoutError(APIError):
     """The request ran past ``--request-timeout``; the engine aborted it."""
@@ -228,11 +238,7 @@ class AsyncEngine:
             return
         with self._cond:
             queued = len(self._adds) + self._num_waiting
-        if queued + count > self.max_waiting:
-            raise EngineOverloadedError(
-                f"the server is overloaded: {queued} requests are waiting (limit "
-                f"{self.max_waiting}); retry after {RETRY_AFTER_SECONDS} s"
-            )
+        EngineOverloadedError.check(queued, count, self.max_waiting, "are waiting")
 
     def prepare(
         self, prompt: str | list[int], params: SamplingParams | BeamSearchParams

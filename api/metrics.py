@@ -160,7 +160,8 @@ class _EngineCollector(Collector):
             yield family
 
     def _spec_decode(self) -> Iterator[Metric]:
-        """Speculative decoding counters and ratios, labelled by method (none when it is off)."""
+        """Speculative decoding counters and ratios and the suffix index's memory, labelled by
+        method (none when it is off)."""
         spec = self.stats.spec_decode
         if spec is None:
             return
@@ -177,6 +178,13 @@ class _EngineCollector(Collector):
             ("prefixserve_spec_decode_mean_acceptance_length",
              "Tokens per speculating step: 1 + accepted / drafts.", "mean_acceptance_length",
              GaugeMetricFamily),
+            ("prefixserve_spec_decode_suffix_index_bytes",
+             "Bytes the suffix index holds (an estimate), all tenants.", "suffix_index_bytes",
+             GaugeMetricFamily),
+            ("prefixserve_spec_decode_suffix_index_entries", "Outputs the suffix index holds.",
+             "suffix_index_entries", GaugeMetricFamily),
+            ("prefixserve_spec_decode_suffix_index_tenants", "Tenants the suffix index holds.",
+             "suffix_index_tenants", GaugeMetricFamily),
         ):  # fmt: skip
             family = kind(name, doc, labels=["model_name", "method"])
             family.add_metric(labels, spec[key])

@@ -17,10 +17,10 @@ a shared prefix that another kernel attends to once for the whole group (cascade
                                             |--- split 0 ---| ... |-- split S-1 --|
     split length:  ceil(ceil((seq_len_b - start_b) / S) / BLOCK_N) * BLOCK_N  (some may be empty)
 
-Stage 2, grid ``(num_seqs, num_heads)``: merges the splits of one head by their log-sum-exp, and
-optionally stores the merged lse (natural log). An empty split stores ``lse = -inf`` and a zero
-partial output, so its weight is exactly 0; an empty context (every split empty) gives a zero
-output and ``lse = -inf``.
+Stage 2, merge_attn_states.py's kernel with grid ``(num_seqs, num_heads)``: merges the splits of
+one head by their log-sum-exp, and optionally stores the merged lse (natural log). An empty split
+stores ``lse = -inf`` and a zero partial output, so its weight is exactly 0; an empty context
+(every split empty) gives a zero output and ``lse = -inf``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import torch
 import triton
 import triton.language as tl
 from prefixserve.kernels.attention_common import (
-    LN2,
     PagedLaunch,
     attend_paged,
     head_block,
@@ -38,6 +37,7 @@ from prefixserve.kernels.attention_common import (
     split_range,
     store_output,
 )
+from prefixserve.kernels.merge_attn_states import Parts, merge_parts
 
 _MAX_SPLITS = 64
 _MIN_TOKENS_PER_SPLIT = 256
@@ -119,57 +119,6 @@ def _decode_split_kernel(
         HEAD_DIM,
     )
     tl.store(part_lse_ptr + seq * stride_lt + heads * stride_lh + split, lse, mask=mask_h)
-
-
-@triton.jit
-def _decode_merge_kernel(
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    lse_ptr,
-    num_splits,
-    stride_pt,
-    stride_ph,
-    stride_ps,
-    stride_lt,
-    stride_lh,
-    stride_ot,
-    stride_oh,
-    stride_ft,
-    stride_fh,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    STORE_LSE: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < num_splits
-    lse = tl.load(
-        part_lse_ptr + seq * stride_lt + head * stride_lh + offs_s, mask=mask_s, other=float("-inf")
-    )
-    m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # an empty context: every weight is 0
-    weight = tl.exp2(lse - m)
-    parts = load_rows(
-        part_out_ptr + seq * stride_pt + head * stride_ph + offs_s[:, None] * stride_ps,
-        mask_s,
-        HEAD_DIM,
-        BLOCK_D,
-    )
-    total = tl.sum(weight, axis=0)
-    out = tl.sum(weight[:, None] * parts, axis=0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(
-        out_ptr + seq * stride_ot + head * stride_oh + offs_d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=offs_d < HEAD_DIM,
-    )
-    if STORE_LSE:  # natural log: m and log2(total) are base 2
-        lse_out = (m + tl.log2(tl.where(total > 0.0, total, 1.0))) * LN2
-        lse_out = tl.where(total > 0.0, lse_out, float("-inf"))
-        tl.store(lse_ptr + seq * stride_ft + head * stride_fh, lse_out)
 
 
 def default_num_splits(
@@ -285,25 +234,7 @@ def merge_splits(
     lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Stage 2 of ``decode_attention`` alone: ``out`` (and ``lse`` if given, natural log) from
-    the partials of ``decode_splits``, layouts as there; writes and returns ``out``."""
-    num_seqs, num_heads, head_dim = out.shape
-    num_splits = part_out.shape[2]
-    store_lse = lse is not None
-    _decode_merge_kernel[(num_seqs, num_heads)](
-        part_out,
-        part_lse,
-        out,
-        lse if store_lse else part_lse,
-        num_splits,
-        *part_out.stride()[:3],
-        *part_lse.stride()[:2],
-        *out.stride()[:2],
-        lse.stride(0) if store_lse else 0,
-        lse.stride(1) if store_lse else 0,
-        HEAD_DIM=head_dim,
-        BLOCK_D=head_block(head_dim),
-        BLOCK_S=triton.next_power_of_2(num_splits),
-        STORE_LSE=store_lse,
-        num_warps=4,
-    )
+    the partials of ``decode_splits``, layouts as there, by merge_attn_states.py's kernel; writes
+    and returns ``out``."""
+    merge_parts(Parts(part_out, part_lse), None, out, lse, lse_base2=True, num_warps=4)
     return out

@@ -8,8 +8,9 @@ expert::
     sorted_pairs  [ e0 e0 e0 -- | e1 -- -- -- | e3 e3 e3 e3 | e3 -- -- -- | -- -- ... ]
     tile_expert   [ 0           | 1           | 3           | 3           | E (idle)  ]
 
-(``--``: padding, pair id ``n``, read as zeros and never written). Two launches then run over the
-tiles, each tile one expert's weights times its rows:
+(``--``: padding, pair id ``n``, read as zeros and never written). Two launches of one kernel (as
+vLLM's ``fused_moe_kernel`` serves both GEMMs) then run over the tiles, each tile one expert's
+weights times its rows:
 
 1. ``inter[p] = silu(x[t] @ W_gate[e]^T) * (x[t] @ W_up[e]^T)``, both halves in one program;
 2. ``out[p] = topk_weights[p] * (inter[p] @ W_down[e]^T)``,
@@ -29,112 +30,71 @@ from prefixserve.kernels.attention_common import dot_operands
 
 
 @triton.jit
-def _gate_up_kernel(
-    x_ptr,  # [T, H]
-    w_ptr,  # [E, 2I, H]: gate rows, then up rows
-    inter_ptr,  # [n, I] out
+def _expert_gemm_kernel(
+    a_ptr,  # [rows, K]: one row per token (TOP_K > 1) or per pair (TOP_K = 1)
+    w_ptr,  # [E, N, K], or [E, 2N, K] with GATED: gate rows, then up rows
+    out_ptr,  # [n, N] out, one row per pair
+    topk_weights_ptr,  # [n], read with MUL_ROUTED_WEIGHT
     sorted_pairs_ptr,  # [P]
     tile_expert_ptr,  # [P // BLOCK_M]
     num_pairs,
     num_experts,
-    hidden,
-    inter,
-    stride_xt,
-    stride_we,
-    stride_wn,
-    stride_wk,
-    stride_it,
-    TOP_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    tile = tl.program_id(0)
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
-    if expert >= num_experts:
-        return
-    pairs = tl.load(sorted_pairs_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-    real = pairs < num_pairs
-    tokens = (pairs // TOP_K).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < inter
-    w_gate = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn
-    w_up = w_gate + inter * stride_wn
-    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < hidden
-        a = tl.load(
-            x_ptr + tokens[:, None] * stride_xt + offs_k[None, :],
-            mask=real[:, None] & mask_k[None, :],
-            other=0.0,
-        ).to(DOT_DTYPE)
-        w_mask = mask_k[:, None] & mask_n[None, :]
-        b_gate = tl.load(w_gate + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
-        b_up = tl.load(w_up + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
-        gate += tl.dot(a, b_gate.to(DOT_DTYPE), input_precision=PRECISION)
-        up += tl.dot(a, b_up.to(DOT_DTYPE), input_precision=PRECISION)
-    act = gate * tl.sigmoid(gate) * up
-    tl.store(
-        inter_ptr + pairs[:, None].to(tl.int64) * stride_it + offs_n[None, :],
-        act.to(inter_ptr.dtype.element_ty),
-        mask=real[:, None] & mask_n[None, :],
-    )
-
-
-@triton.jit
-def _down_kernel(
-    inter_ptr,  # [n, I]
-    w_ptr,  # [E, H, I]
-    out_ptr,  # [n, H] out
-    topk_weights_ptr,  # [n]
-    sorted_pairs_ptr,
-    tile_expert_ptr,
-    num_pairs,
-    num_experts,
-    hidden,
-    inter,
-    stride_it,
+    N,
+    K,
+    stride_at,
     stride_we,
     stride_wn,
     stride_wk,
     stride_ot,
+    TOP_K: tl.constexpr,
+    GATED: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    """One tile's rows times its expert's weights: ``out[p] = a[p // TOP_K] @ W[e]^T``, with
+    ``GATED`` ``silu(a @ W_gate^T) * (a @ W_up^T)`` (both halves in one program, ``a`` loaded
+    once), with ``MUL_ROUTED_WEIGHT`` times ``topk_weights[p]``."""
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
     if expert >= num_experts:
         return
     pairs = tl.load(sorted_pairs_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     real = pairs < num_pairs
-    rows = pairs.to(tl.int64)
+    a_rows = (pairs // TOP_K).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < hidden
+    mask_n = offs_n < N
     w = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
+    if GATED:
+        w_up = w + N * stride_wn
+        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < inter
+        mask_k = offs_k < K
         a = tl.load(
-            inter_ptr + rows[:, None] * stride_it + offs_k[None, :],
+            a_ptr + a_rows[:, None] * stride_at + offs_k[None, :],
             mask=real[:, None] & mask_k[None, :],
             other=0.0,
         ).to(DOT_DTYPE)
-        b = tl.load(
-            w + offs_k[:, None] * stride_wk, mask=mask_k[:, None] & mask_n[None, :], other=0.0
-        )
+        w_mask = mask_k[:, None] & mask_n[None, :]
+        b = tl.load(w + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
+        if GATED:
+            b_up = tl.load(w_up + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
         acc += tl.dot(a, b.to(DOT_DTYPE), input_precision=PRECISION)
-    weight = tl.load(topk_weights_ptr + rows, mask=real, other=0.0).to(tl.float32)
+        if GATED:
+            up += tl.dot(a, b_up.to(DOT_DTYPE), input_precision=PRECISION)
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * up
+    rows = pairs.to(tl.int64)
+    if MUL_ROUTED_WEIGHT:
+        acc = acc * tl.load(topk_weights_ptr + rows, mask=real, other=0.0).to(tl.float32)[:, None]
     tl.store(
         out_ptr + rows[:, None] * stride_ot + offs_n[None, :],
-        (acc * weight[:, None]).to(out_ptr.dtype.element_ty),
+        acc.to(out_ptr.dtype.element_ty),
         mask=real[:, None] & mask_n[None, :],
     )
 
@@ -191,30 +151,29 @@ def fused_moe(
     sorted_pairs, tile_expert = align_pairs(topk_ids, num_experts, block_m)
     num_tiles = tile_expert.shape[0]
     dot_dtype, precision = dot_operands(x.dtype, x.device)
-    block_n, block_k = 32, 32
+    tiles = dict(DOT_DTYPE=dot_dtype, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=32)
     inter_out = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(num_tiles, triton.cdiv(inter, block_n))](
+    _expert_gemm_kernel[(num_tiles, triton.cdiv(inter, tiles["BLOCK_N"]))](
         x,
         gate_up_proj,
         inter_out,
+        topk_weights,
         sorted_pairs,
         tile_expert,
         n,
         num_experts,
-        hidden,
         inter,
+        hidden,
         x.stride(0),
         *gate_up_proj.stride(),
         inter_out.stride(0),
         TOP_K=top_k,
-        DOT_DTYPE=dot_dtype,
-        PRECISION=precision,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        GATED=True,
+        MUL_ROUTED_WEIGHT=False,
+        **tiles,
     )
     out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
-    _down_kernel[(num_tiles, triton.cdiv(hidden, block_n))](
+    _expert_gemm_kernel[(num_tiles, triton.cdiv(hidden, tiles["BLOCK_N"]))](
         inter_out,
         down_proj,
         out,
@@ -228,10 +187,9 @@ def fused_moe(
         inter_out.stride(0),
         *down_proj.stride(),
         out.stride(0),
-        DOT_DTYPE=dot_dtype,
-        PRECISION=precision,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        TOP_K=1,
+        GATED=False,
+        MUL_ROUTED_WEIGHT=True,
+        **tiles,
     )
     return out.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -11,8 +11,8 @@ its output is never read; when every part is empty the result is zeros and ``lse
 Merge kernel, grid ``(T, H)``: combines up to two sets of partials ``a`` and ``b`` per token
 (``[R, H, S, D]`` outputs, ``[R, H, S]`` lse), each found through an optional row map (``-1``:
 absent), in one pass: ``cascade_decode_attention`` merges the decode kernel's splits with the
-shared kernel's, ``shared_prefix_attention`` the shared kernel's splits alone, and
-``merge_attn_states`` two finished parts.
+shared kernel's, ``decode_attention`` and ``shared_prefix_attention`` one kernel's splits alone,
+and ``merge_attn_states`` two finished parts.
 
 lse convention: every lse taken or returned by a public function is the natural log of ``sum
 exp(scale * q.k)`` in float32, ``-inf`` for an empty part (as torch's and FlashAttention's). The
@@ -200,9 +200,11 @@ def merge_parts(
     out: torch.Tensor,
     out_lse: torch.Tensor | None,
     lse_base2: bool,
+    num_warps: int = 2,
 ) -> None:
     """``out[t]`` (and ``out_lse[t]``, natural log) from token t's partials in ``a`` and ``b``,
-    whose lse are base 2 (the kernels' split buffers) or natural (``lse_base2=False``)."""
+    whose lse are base 2 (the kernels' split buffers) or natural (``lse_base2=False``).
+    ``num_warps``: on GPUs (one on CPU)."""
     num_tokens, num_heads, head_dim = out.shape
     if num_tokens == 0:
         return
@@ -233,7 +235,7 @@ def merge_parts(
         BLOCK_D=head_block(head_dim),
         BLOCK_SA=triton.next_power_of_2(a.out.shape[2]),
         BLOCK_SB=triton.next_power_of_2(b_.out.shape[2]),
-        num_warps=1 if out.device.type == "cpu" else 2,
+        num_warps=1 if out.device.type == "cpu" else num_warps,
     )
 
 

@@ -94,7 +94,8 @@ class EngineStats:
     step_times: StepTimes
     # requests by kind ("json", "regex", ...), compiles, cache hits, the compile-time histogram
     structured_outputs: dict[str, Any]
-    # speculative decoding (``SpecDecodeStats.snapshot``); None when it is off
+    # speculative decoding (``DraftProposer.snapshot``: counters, the suffix index's memory);
+    # None when it is off
     spec_decode: dict[str, Any] | None = None
     # replayed decode steps (``DecodeReplay.stats``: kind, buckets, capture seconds, steps);
     # None when every step runs eagerly
@@ -337,7 +338,7 @@ class LLMEngine:
                 "requests": dict(self._structured_requests),
                 **self.structured_outputs.stats(),
             },
-            spec_decode=proposer.stats.snapshot()
+            spec_decode=proposer.snapshot()
             if (proposer := self.scheduler.proposer) is not None
             else None,
             decode_replay=replay.stats()

@@ -98,6 +98,20 @@ def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([token_ids])).logits[0].float()
 
 
+def greedy_logprob_error(llm, hf: torch.nn.Module, prompts: list[list[int]], params) -> float:
+    """Generate ``prompts`` greedily with ``llm`` (``params``: temperature 0, ``logprobs=0``),
+    assert every token is ``hf``'s argmax given the tokens before it, and return the largest
+    difference between a token's logprob and ``hf``'s."""
+    worst = 0.0
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        tokens = out.outputs[0].token_ids
+        ref = torch.log_softmax(hf_logits(hf, prompt + tokens[:-1])[len(prompt) - 1 :], dim=-1)
+        assert tokens == ref.argmax(-1).tolist()
+        for pos, (tok, lp) in enumerate(zip(tokens, out.outputs[0].logprobs)):
+            worst = max(worst, abs(lp[tok] - float(ref[pos, tok])))
+    return worst
+
+
 @torch.no_grad()
 def hf_generate_no_eos(model: torch.nn.Module, prompt: list[int], max_new: int, **kwargs):
     """transformers' ``generate`` on one prompt with EOS disabled (``max_new`` tokens always).

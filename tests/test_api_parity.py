@@ -327,7 +327,7 @@ def test_a_stop_token_id_leaves_its_text_out(checkpoint):
         ("chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
         ("chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("chat/completions", {"prediction": {"type": "content"}}, "prediction"),
-        ("chat/completions", {"reasoning_effort": "high"}, "reasoning_effort"),
+        ("chat/completions", {"reasoning_effort": "extreme"}, "reasoning_effort"),
         ("chat/completions", {"store": True}, "store"),
         ("chat/completions", {"priority": 5}, "priority"),
     ],

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from checkpoints import load_hf_model, make_checkpoint
+from checkpoints import greedy_logprob_error, load_hf_model, make_checkpoint
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from gguf_files import write_gguf
@@ -50,14 +50,7 @@ def _hf_gguf(path) -> torch.nn.Module:
 
 
 def _check_greedy(llm: LLM, hf: torch.nn.Module, atol: float) -> None:
-    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, PARAMS, use_tqdm=False)):
-        tokens = out.outputs[0].token_ids
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
-        ref = torch.log_softmax(logits.float(), dim=-1)
-        assert tokens == ref.argmax(-1).tolist()
-        for pos, (tok, lp) in enumerate(zip(tokens, out.outputs[0].logprobs)):
-            assert abs(lp[tok] - float(ref[pos, tok])) < atol
+    assert greedy_logprob_error(llm, hf, PROMPTS, PARAMS) < atol
 
 
 @pytest.mark.parametrize(("kind", "block_bytes", "halves"), [("Q4_0", 18, 1), ("Q4_1", 20, 2), ("Q4_K", 144, 2)])  # fmt: skip

@@ -5,8 +5,7 @@ float32, so greedy tokens are equal and logprobs within ``LOGPROB_ATOL`` (summat
 from __future__ import annotations
 
 import pytest
-import torch
-from checkpoints import load_hf_model, make_checkpoint
+from checkpoints import greedy_logprob_error, load_hf_model, make_checkpoint
 from quant_reference import dequantized_reference
 
 from prefixserve import LLM, SamplingParams
@@ -22,15 +21,7 @@ def test_greedy_equals_transformers_on_dequantized_weights(tmp_path, arch, metho
     llm = LLM(str(folder), quantization=method, num_kv_blocks=64)
     prompts = [[5, 17, 99, 3, 250, 41, 7], list(range(40, 73))]
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True)
-    worst = 0.0
-    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
-        tokens = out.outputs[0].token_ids
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
-        ref = torch.log_softmax(logits.float(), dim=-1)
-        assert tokens == ref.argmax(-1).tolist(), (arch, method)
-        for pos, (tok, lp) in enumerate(zip(tokens, out.outputs[0].logprobs)):
-            worst = max(worst, abs(lp[tok] - float(ref[pos, tok])))
+    worst = greedy_logprob_error(llm, hf, prompts, params)
     print(f"{arch} {method}: max |logprob - reference| = {worst:.2e}")
     assert worst < LOGPROB_ATOL, worst
 

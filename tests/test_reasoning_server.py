@@ -1,6 +1,7 @@
 """``--reasoning-parser`` end to end: real ``prefixserve serve`` processes of tiny random
 checkpoints carrying DeepSeek-R1's and Qwen3's real chat templates, driven by the ``openai``
-client. ``logit_bias`` on ``</think>`` makes the random model end its reasoning soon."""
+client. ``logit_bias`` on ``</think>`` makes the random model end its reasoning soon. Chat's
+``reasoning_effort`` switches Qwen3's thinking (``frontend/reasoning_effort.py``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import openai
 import pytest
 from families import family_checkpoint, family_tokenizer
 from servers import server_process
+
+from prefixserve.api.frontend.reasoning_effort import EFFORTS, effort_kwargs
 
 USER = [{"role": "user", "content": "Is 7 prime?"}]
 ANSWER = {
@@ -117,6 +120,43 @@ def test_qwen3_thinking_off_has_no_reasoning(qwen3):
     choice = first.choices[0]
     assert choice.message.reasoning_content is None and choice.message.tool_calls
     assert first.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+def test_effort_sets_the_thinking_switch_only_where_the_template_has_it():
+    assert effort_kwargs(None, "no switch") == {} == effort_kwargs(None, None)
+    assert effort_kwargs("high", "{{ messages }}") is None  # ignored, and named in a header
+    switch = "{% if enable_thinking is defined %}{% endif %}"
+    assert [effort_kwargs(e, switch)["enable_thinking"] for e in EFFORTS] == [
+        False, False, True, True, True, True]  # fmt: skip
+
+
+def test_chat_reasoning_effort_switches_thinking_where_the_template_can(qwen3, r1):
+    """Issue 30: chat's ``reasoning_effort`` was a 400; it takes Responses' path: Qwen3's
+    template renders it as ``enable_thinking`` (the request's own kwarg wins), DeepSeek-R1's has
+    no switch, so it is ignored and named in ``x-prefixserve-ignored``, streamed or not."""
+    client, _ = qwen3
+    kwargs = dict(model="m", messages=USER, max_tokens=1, extra_body={"return_token_ids": True})
+
+    def prompt(**extra) -> list[int]:
+        raw = client.chat.completions.with_raw_response.create(**kwargs, **extra)
+        assert "x-prefixserve-ignored" not in raw.headers
+        return raw.parse().prompt_token_ids
+
+    plain, on, off = prompt(), prompt(reasoning_effort="high"), prompt(reasoning_effort="minimal")
+    assert on == plain and off[: len(plain)] == plain and len(off) > len(plain)
+    assert prompt(reasoning_effort="none") == off
+    kept = dict(kwargs, extra_body={**kwargs["extra_body"],
+                                    "chat_template_kwargs": {"enable_thinking": True}})  # fmt: skip
+    assert client.chat.completions.create(**kept, reasoning_effort="none").prompt_token_ids == plain
+    r1_client, _ = r1
+    for stream in (False, True):
+        raw = r1_client.chat.completions.with_raw_response.create(
+            model="m", messages=USER, max_tokens=1, reasoning_effort="low", stream=stream
+        )
+        assert raw.status_code == 200 and raw.headers["x-prefixserve-ignored"] == "reasoning_effort"
+    with pytest.raises(openai.BadRequestError) as err:
+        r1_client.chat.completions.create(model="m", messages=USER, reasoning_effort="extreme")
+    assert err.value.body["param"] == "reasoning_effort"
 
 
 @pytest.mark.parametrize("seed", [1, 2])

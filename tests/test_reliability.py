@@ -21,7 +21,7 @@ import pytest
 from servers import MODEL, metric, scrape, server_process
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.api.async_engine import AsyncEngine
+from prefixserve.api.async_engine import AsyncEngine, EngineOverloadedError
 from prefixserve.api.server import ServerConfig, create_app
 from prefixserve.config import EngineConfig
 from prefixserve.engine import LLMEngine
@@ -100,6 +100,18 @@ def test_full_queue_gets_503_and_every_admitted_request_finishes():
         else:
             assert r.json()["choices"][0]["finish_reason"] == "length"
             assert r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_admission_refuses_only_past_the_limit():
+    """The one rule ``AsyncEngine.admit`` and the scale-out ingress's ``RemoteEngine.admit``
+    share: ``count`` more requests may join ``queued`` up to the limit (None: no limit)."""
+    EngineOverloadedError.check(2, 1, 3, "are waiting")
+    EngineOverloadedError.check(10**6, 1, None, "are waiting")
+    with pytest.raises(
+        EngineOverloadedError, match=r"3 requests wait for a replica \(limit 3\)"
+    ) as err:
+        EngineOverloadedError.check(3, 1, 3, "wait for a replica")
+    assert err.value.status == 503 and "Retry-After" in err.value.headers
 
 
 def test_body_over_the_limit_gets_413():

@@ -15,6 +15,9 @@ from prefixserve.spec_decode.metrics import SpecDecodeStats
 from prefixserve.spec_decode.ngram import match_ngram
 from prefixserve.spec_decode.output_index import BYTES_PER_NGRAM, BYTES_PER_TOKEN, OutputIndex
 from prefixserve.spec_decode.proposer import DraftProposer, _grammar_prefix
+from prefixserve.spec_decode.tenant_indexes import TenantIndexes
+
+LARGE = 1 << 30
 
 
 def test_config_takes_vllms_dict_and_rejects_mistakes():
@@ -28,6 +31,9 @@ def test_config_takes_vllms_dict_and_rejects_mistakes():
         {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
          "prompt_lookup_max": 2},
         {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_mx": 2},
+        {"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_max_cached_bytes": 0},
+        {"method": "suffix", "num_speculative_tokens": 2,
+         "suffix_decoding_max_cached_bytes_per_tenant": -1},
         "ngram",
     ):  # fmt: skip
         with pytest.raises(InvalidArgumentError):
@@ -144,7 +150,7 @@ def test_adaptive_k_follows_recent_acceptance():
 
 
 def test_output_index_longest_match_and_eviction():
-    index = OutputIndex(max_outputs=2, min_n=1, max_n=3)
+    index = OutputIndex(max_outputs=2, min_n=1, max_n=3, max_bytes=LARGE)
     index.add([1, 2, 3, 4, 5])
     index.add([9, 2, 3, 7, 8])
     assert index.lookup([0, 2, 3], 2) == (2, [7, 8])  # the newest "2 3"
@@ -160,7 +166,7 @@ def test_output_index_longest_match_and_eviction():
 
 def test_output_index_is_bounded_in_bytes():
     """Issue 30: the index was capped by count only (about 400 MB per tenant by default)."""
-    one = OutputIndex(max_outputs=10, min_n=1, max_n=3)
+    one = OutputIndex(max_outputs=10, min_n=1, max_n=3, max_bytes=LARGE)
     one.add(list(range(50)))
     size = one.nbytes
     assert size == 50 * BYTES_PER_TOKEN + (49 + 48 + 47) * BYTES_PER_NGRAM
@@ -171,6 +177,83 @@ def test_output_index_is_bounded_in_bytes():
     assert index.lookup([3, 4], 2) == (0, [])  # the first output went first
     index.add(list(range(1000)))  # larger than the whole bound: not indexed
     assert len(index) == 2 and index.nbytes == 2 * size
+
+
+# An output of 5 tokens with 1- to 3-grams: 5 token slots and 4 + 3 + 2 n-grams.
+FIVE = 5 * BYTES_PER_TOKEN + 9 * BYTES_PER_NGRAM
+
+
+def _five(first: int) -> list[int]:
+    return list(range(first, first + 5))
+
+
+def test_tenant_indexes_forget_the_least_recent_tenants_oldest_outputs_first():
+    """Issue 30: the index was bounded per tenant only, and a client makes tenants at will."""
+    indexes = TenantIndexes(10, 1, 3, tenant_max_bytes=LARGE, max_bytes=5 * FIVE)
+    indexes.add("a", [_five(0), _five(10)])
+    indexes.add("b", [_five(20)])
+    indexes.add("c", [_five(30)])
+    assert indexes.lookup("a", [1, 2], 1) == (2, [3])  # a is now the most recent: b, c, a
+    assert indexes.nbytes == 4 * FIVE
+    indexes.add("c", [_five(40), _five(50)])  # 6 outputs: b (least recent) loses its one
+    assert indexes.nbytes == 5 * FIVE
+    assert indexes.stats() == {"suffix_index_bytes": 5 * FIVE, "suffix_index_entries": 5,
+                               "suffix_index_tenants": 2}  # fmt: skip
+    assert indexes.lookup("b", [21, 22], 1) == (0, [])
+    indexes.add("a", [_five(60)])  # order c, a: c loses its oldest output only
+    assert indexes.lookup("c", [31, 32], 1) == (0, [])
+    assert indexes.lookup("c", [41, 42], 1) == (2, [43])
+    assert indexes.lookup("a", [1, 2], 1) == (2, [3])
+    assert indexes.stats() == {"suffix_index_bytes": 5 * FIVE, "suffix_index_entries": 5,
+                               "suffix_index_tenants": 2}  # fmt: skip
+
+
+def test_tenant_indexes_drop_a_tenant_once_its_outputs_are_gone():
+    indexes = TenantIndexes(10, 1, 3, tenant_max_bytes=LARGE, max_bytes=3 * FIVE)
+    indexes.add("a", [_five(0)])
+    indexes.add("b", [_five(10)])
+    indexes.add("c", [_five(20), _five(30)])  # a's only output goes, and a with it
+    assert len(indexes) == 2 and indexes.nbytes == 3 * FIVE
+    indexes.add("c", [_five(40), _five(50)])  # c's own bound drops its oldest; then b goes
+    assert len(indexes) == 1 and indexes.nbytes == 3 * FIVE
+    assert indexes.lookup("c", [21, 22], 1) == (0, []) and indexes.lookup("c", [31], 1) == (1, [32])
+    assert indexes.lookup("b", [11], 1) == (0, [])
+
+
+def test_tenant_indexes_bound_each_tenant_and_the_number_of_tenants():
+    indexes = TenantIndexes(10, 1, 3, tenant_max_bytes=2 * FIVE, max_bytes=LARGE, max_tenants=2)
+    indexes.add("a", [_five(0), _five(10), _five(20)])  # a's own bound: its oldest goes
+    assert indexes.nbytes == 2 * FIVE and indexes.lookup("a", [1], 1) == (0, [])
+    indexes.add("b", [_five(30)])
+    indexes.add("c", [_five(40)])  # a third tenant: a (least recent) goes
+    assert indexes.stats() == {"suffix_index_bytes": 2 * FIVE, "suffix_index_entries": 2,
+                               "suffix_index_tenants": 2}  # fmt: skip
+    indexes.add("d", [[7]])  # too short for an n-gram with a continuation: no tenant held
+    assert len(indexes) == 2
+
+
+def test_tenant_indexes_never_hold_more_than_the_global_bound():
+    """A tenant's own bound is capped by the global one, so an output larger than the global
+    bound is not indexed and the newest output is never forgotten for room."""
+    indexes = TenantIndexes(10, 1, 3, tenant_max_bytes=LARGE, max_bytes=FIVE)
+    indexes.add("a", [list(range(100, 106))])  # 6 tokens: larger than FIVE
+    assert indexes.stats()["suffix_index_bytes"] == 0 and len(indexes) == 0
+    indexes.add("a", [_five(0)])
+    indexes.add("b", [_five(10)])
+    assert indexes.stats() == {"suffix_index_bytes": FIVE, "suffix_index_entries": 1,
+                               "suffix_index_tenants": 1}  # fmt: skip
+    assert indexes.lookup("b", [11], 1) == (1, [12])
+
+
+def test_proposer_snapshot_reports_the_suffix_index():
+    proposer = DraftProposer(SpeculativeConfig("suffix", 3, 1, 3))
+    done, seq = _request([1, 2])
+    seq.token_ids += _five(10)
+    proposer.remember(done)
+    snap = proposer.snapshot()
+    assert snap["num_drafts"] == 0
+    assert (snap["suffix_index_bytes"], snap["suffix_index_entries"],
+            snap["suffix_index_tenants"]) == (FIVE, 1, 1)  # fmt: skip
 
 
 def test_suffix_index_is_per_tenant():

@@ -1,5 +1,5 @@
 """``prefixserve serve --speculative-config``: the server speculates, /metrics and /stats show the
-same counters, and beam search is refused with a 400."""
+same counters and the suffix index's memory, and beam search is refused with a 400."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import json
 
 import httpx
 from servers import MODEL, launch_server, metric, scrape
+
+from prefixserve.spec_decode.output_index import BYTES_PER_NGRAM, BYTES_PER_TOKEN
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 
@@ -35,6 +37,29 @@ def test_server_speculates_and_reports_it():
     assert accepted == stats["num_accepted_tokens"]
     rate = metric(samples, "prefixserve_spec_decode_acceptance_rate", method="ngram")
     assert rate == stats["acceptance_rate"] == accepted / drafted
+
+
+def test_suffix_index_memory_is_in_metrics_and_stats():
+    """Issue 30: the suffix index's global byte bound holds over HTTP (two tenants by
+    ``cache_salt``; room for one output), and /metrics reports what it holds."""
+    tokens, min_n, max_n = 24, 1, 5
+    one_output = tokens * BYTES_PER_TOKEN + sum(tokens - n for n in range(min_n, max_n + 1)) * (
+        BYTES_PER_NGRAM
+    )
+    spec = {"method": "suffix", "num_speculative_tokens": 3, "prompt_lookup_min": min_n,
+            "prompt_lookup_max": max_n,
+            "suffix_decoding_max_cached_bytes": one_output + 1000}  # fmt: skip
+    with launch_server("--speculative-config", json.dumps(spec)) as base:
+        for salt in ("tenant-a", "tenant-b"):
+            r = httpx.post(f"{base}/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "one two three", "max_tokens": tokens,
+                "ignore_eos": True, "temperature": 0, "cache_salt": salt})  # fmt: skip
+            assert r.status_code == 200, r.text
+        samples = scrape(base)
+        stats = httpx.get(f"{base}/stats").json()["spec_decode"]
+    for key, expected in (("bytes", one_output), ("entries", 1), ("tenants", 1)):
+        name = f"prefixserve_spec_decode_suffix_index_{key}"
+        assert metric(samples, name, method="suffix") == stats[f"suffix_index_{key}"] == expected
 
 
 def test_server_without_the_flag_does_not_speculate():

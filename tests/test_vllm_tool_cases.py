@@ -375,7 +375,7 @@ REFUSING = {
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"},
-    "reasoning_effort": "high",
+    "reasoning_effort": "extreme",
     "verbosity": "low",
     "web_search_options": {},
     "functions": [{"name": "f"}],

@@ -7,7 +7,8 @@ Each choice's reply is read by one ``ReplyParser`` into typed parts; this module
 them: ``reasoning_content``, ``content`` and ``tool_calls`` deltas in chunks (a call's id and name,
 then its arguments, one tool-call entry per chunk), or one message folded from the same parts, so
 streamed and non-streamed choices agree (content up to surrounding whitespace).
-``parallel_tool_calls: false`` keeps at most one call in every mode.
+``parallel_tool_calls: false`` keeps at most one call in every mode. ``reasoning_effort`` switches
+the template's thinking as Responses' ``reasoning.effort`` does (``frontend/reasoning_effort.py``).
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ import asyncio
 from collections.abc import Iterator
 
 from fastapi import Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse
 
 from prefixserve.api.frontend.inputs import EngineInputs, TemplateServing
 from prefixserve.api.frontend.protocol import APIError, random_id
+from prefixserve.api.frontend.reasoning_effort import effort_kwargs
 from prefixserve.api.frontend.stream import DeltaTracker, event_stream
 from prefixserve.api.frontend.structured_outputs import structured_outputs_of
 from prefixserve.api.frontend.tenancy import tenant_of
@@ -47,24 +51,31 @@ from prefixserve.outputs import CompletionOutput, RequestOutput
 
 
 class ChatServing(TemplateServing):
-    def render_request(self, req: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
+    def render_request(self, req: ChatCompletionRequest, tools: list[dict] | None,
+                       effort: dict[str, bool]) -> list[int]:  # fmt: skip
+        """The prompt ids; ``effort``: the template kwargs ``reasoning_effort`` sets (the
+        request's own ``chat_template_kwargs`` win)."""
         return self.render(
             req.messages, tools, add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             add_special_tokens=req.add_special_tokens, chat_template=req.chat_template,
-            chat_template_kwargs=req.chat_template_kwargs, documents=req.documents,
+            chat_template_kwargs={**effort, **(req.chat_template_kwargs or {})} or None,
+            documents=req.documents,
         )  # fmt: skip
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request):
         model = self.check_model(req.model)
         check_supported(req, "chat")
+        template = req.chat_template or self.engine.tokenizer.chat_template
+        effort = effort_kwargs(req.reasoning_effort, template)
+        headers = {"x-prefixserve-ignored": "reasoning_effort"} if effort is None else {}
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs: requires logprobs=true", 400, "top_logprobs")
         tools = req.tool_request()
         structured, source = structured_outputs_of(req)
         if structured is not None and tools.choice in ("required", "named"):
             raise APIError(f"{source}: cannot be combined with a forced tool_choice", 400, source)
-        prompt = await asyncio.to_thread(self.render_request, req, tools.tools)
+        prompt = await asyncio.to_thread(self.render_request, req, tools.tools, effort or {})
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         inputs = self.inputs(prompt, tools, req, req.max_completion_tokens or req.max_tokens,
                              structured=(structured, source), logprobs=logprobs,
@@ -74,7 +85,7 @@ class ChatServing(TemplateServing):
         streams = await self.add_all(request_id, [prompt], [inputs.params], "messages",
                                      inputs.grammar_source)  # fmt: skip
         if req.stream:
-            return event_stream(self._stream(req, request_id, model, streams, inputs))
+            return event_stream(self._stream(req, request_id, model, streams, inputs), headers)
         final = (await self.collect(raw_request, streams))[0]
         choices = [self._choice(req, c, inputs) for c in final.outputs]
         usage = usage_of([final])
@@ -82,9 +93,10 @@ class ChatServing(TemplateServing):
             counts = [self.reasoning_tokens(c.token_ids, ch.message.reasoning_content)
                       for c, ch in zip(final.outputs, choices)]  # fmt: skip
             usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=sum(counts))
-        return ChatCompletionResponse(
+        response = ChatCompletionResponse(
             id=request_id, model=model, choices=choices, usage=usage, **self._extras(req, final)
         )
+        return JSONResponse(jsonable_encoder(response), headers=headers)
 
     def _extras(self, req: ChatCompletionRequest, final: RequestOutput) -> dict:
         """Response-level ``prompt_logprobs`` and ``prompt_token_ids`` when asked for."""

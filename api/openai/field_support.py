@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prefixserve.api.frontend.protocol import APIError
+from prefixserve.api.frontend.reasoning_effort import EFFORTS
 
 
 def _unset(value: Any) -> bool:
@@ -46,7 +47,7 @@ _CHAT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "audio": (_unset, "audio output is not supported"),
     "modalities": (lambda v: v in (None, ["text"]), "only text output is supported"),
     "prediction": (_unset, "predicted outputs are not supported"),
-    "reasoning_effort": (_unset, "reasoning controls are not supported"),
+    "reasoning_effort": (lambda v: v is None or v in EFFORTS, f"must be one of {list(EFFORTS)}"),
     "verbosity": (_unset, "verbosity is not supported"),
     "web_search_options": (_unset, "web search is not supported"),
     "functions": (_unset, "the deprecated 'functions' is not supported; use 'tools'"),

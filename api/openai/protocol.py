@@ -96,6 +96,7 @@ class ChatCompletionRequest(_SamplingFields):
     documents: list[dict[str, Any]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None  # checked in field_support, as the template's switch
 
     def tool_request(self) -> ToolRequest:
         """The request's tools and tool choice (a 400 for a shape OpenAI does not define)."""

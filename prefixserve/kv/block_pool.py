@@ -162,6 +162,11 @@ class BlockPool:
         assert block.block_hash is not None
         if self.on_evict is not None:
             self.on_evict(block)
+        self._unhash(block)
+
+    def _unhash(self, block: KVBlock) -> None:
+        """Take a hashed block out of the hash map (a ``BlockRemoved`` event) and clear its
+        identity; where it is listed (LRU, free) is the caller's to change."""
         if self.kv_events is not None:
             self.kv_events.on_block_removed(block.block_hash)
         del self._hash_to_block[block.block_hash]
@@ -237,12 +242,7 @@ class BlockPool:
         """Unregister a block whose K/V was never written (its step failed); a cached one (ref_cnt
         0) becomes free. Not an eviction: the hash was never valid."""
         assert block.block_hash is not None and self._hash_to_block[block.block_hash] is block
-        if self.kv_events is not None:
-            self.kv_events.on_block_removed(block.block_hash)
-        del self._hash_to_block[block.block_hash]
-        block.block_hash = None
-        block.token_ids = None
-        block.parent_hash = None
+        self._unhash(block)
         if block.ref_cnt == 0:
             self._unlist(block)
             self._free_ids.append(block.block_id)

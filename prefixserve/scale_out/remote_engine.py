@@ -102,11 +102,9 @@ class RemoteEngine:
             self._preprocessor.structured_outputs.shutdown()
 
     def admit(self, count: int) -> None:
-        if self.max_waiting is not None and self._num_accepting + count > self.max_waiting:
-            raise EngineOverloadedError(
-                f"the server is overloaded: {self._num_accepting} requests wait for a replica "
-                f"(limit {self.max_waiting}); retry after {RETRY_AFTER_SECONDS} s"
-            )
+        EngineOverloadedError.check(
+            self._num_accepting, count, self.max_waiting, "wait for a replica"
+        )
 
     def prepare(
         self, prompt: str | list[int], params: SamplingParams | BeamSearchParams

@@ -8,7 +8,10 @@ same dict::
 ``method``: ``"ngram"`` (prompt lookup over the request's own prompt and output) or ``"suffix"``
 (the same over the request's own text, plus an index of the last
 ``suffix_decoding_max_cached_requests`` outputs of the same tenant: requests with the same
-``cache_salt``, or all unsalted requests; the longer match wins). Both match the sequence's last
+``cache_salt``, or all unsalted requests; the longer match wins). The index holds at most
+``suffix_decoding_max_cached_bytes_per_tenant`` bytes per tenant and
+``suffix_decoding_max_cached_bytes`` across tenants (estimates; ``tenant_indexes.py`` says which
+outputs go first). Both match the sequence's last
 ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens. Each decoding sequence proposes up to
 ``num_speculative_tokens`` drafts per step, adapted to its own recent acceptance; the target model
 scores them all in that step's one forward and keeps the longest prefix plain decoding would
@@ -26,6 +29,7 @@ from typing import Any
 from prefixserve.errors import InvalidArgumentError, require
 
 METHODS = ("ngram", "suffix")
+MiB = 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +40,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     disable_by_batch_size: int = 32
     suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_cached_bytes_per_tenant: int = 64 * MiB
+    suffix_decoding_max_cached_bytes: int = 256 * MiB
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -52,7 +58,9 @@ class SpeculativeConfig:
             f"must be one of {METHODS}, got {self.method!r}",
         )
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                     "disable_by_batch_size", "suffix_decoding_max_cached_requests"):  # fmt: skip
+                     "disable_by_batch_size", "suffix_decoding_max_cached_requests",
+                     "suffix_decoding_max_cached_bytes_per_tenant",
+                     "suffix_decoding_max_cached_bytes"):  # fmt: skip
             positive_int(name)
         require(
             self.prompt_lookup_min <= self.prompt_lookup_max,

@@ -11,6 +11,8 @@ Bounds: at most ``max_outputs`` outputs and ``max_bytes`` bytes (``nbytes``: an 
 the outputs and their n-gram entries hold, ``BYTES_PER_TOKEN`` plus ``BYTES_PER_NGRAM`` per entry);
 the oldest output is forgotten first, with its n-grams (an n-gram that a newer output also holds
 keeps pointing at the newer one). An output larger than ``max_bytes`` on its own is not indexed.
+``forget_oldest`` lets an owner of several indexes (``tenant_indexes.py``) apply a bound across
+them.
 """
 
 from __future__ import annotations
@@ -21,13 +23,10 @@ from collections.abc import Sequence
 
 BYTES_PER_TOKEN = 8  # a slot of the output's tuple (small ints are shared)
 BYTES_PER_NGRAM = 200  # a dict entry: its key tuple, its value tuple, the table slot
-DEFAULT_MAX_BYTES = 64 * 1024 * 1024  # per tenant
 
 
 class OutputIndex:
-    def __init__(
-        self, max_outputs: int, min_n: int, max_n: int, max_bytes: int = DEFAULT_MAX_BYTES
-    ) -> None:
+    def __init__(self, max_outputs: int, min_n: int, max_n: int, max_bytes: int) -> None:
         self.max_outputs = max_outputs
         self.min_n = min_n
         self.max_n = max_n
@@ -52,12 +51,18 @@ class OutputIndex:
         for start, n in self._ngram_spans(tokens):
             self._ngrams[tokens[start : start + n]] = (output_id, start + n)
         while len(self._outputs) > self.max_outputs or self.nbytes > self.max_bytes:
-            old_id, old = self._outputs.popitem(last=False)
-            self.nbytes -= self._size(old)
-            for start, n in self._ngram_spans(old):
-                key = old[start : start + n]
-                if self._ngrams.get(key, (None,))[0] == old_id:
-                    del self._ngrams[key]
+            self.forget_oldest()
+
+    def forget_oldest(self) -> int:
+        """Forget the oldest output and its n-grams; the bytes freed."""
+        old_id, old = self._outputs.popitem(last=False)
+        size = self._size(old)
+        self.nbytes -= size
+        for start, n in self._ngram_spans(old):
+            key = old[start : start + n]
+            if self._ngrams.get(key, (None,))[0] == old_id:
+                del self._ngrams[key]
+        return size
 
     def lookup(self, tail: Sequence[int], k: int) -> tuple[int, list[int]]:
         """(length of the longest matching n-gram ending ``tail``, up to ``k`` tokens that

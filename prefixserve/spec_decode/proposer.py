@@ -17,25 +17,22 @@ text pays little for speculation: one draft now and then.
 
 Suffix drafts (``method="suffix"``) also search the recent outputs of the request's tenant
 (``Request.extra_keys``: its ``cache_salt``): one tenant's outputs never draft another's, since
-acceptance (visible as latency) would leak them. At most ``MAX_TENANTS`` tenants are indexed, the
-least recently used forgotten first.
+acceptance (visible as latency) would leak them. The indexes are bounded per tenant and across
+tenants (``tenant_indexes.py``).
 """
 
 from __future__ import annotations
 
 import weakref
-from collections import OrderedDict
-from collections.abc import Hashable
 from dataclasses import dataclass
 
 from prefixserve.sequence import Request, Sequence
 from prefixserve.spec_decode.config import SpeculativeConfig
 from prefixserve.spec_decode.metrics import SpecDecodeStats
 from prefixserve.spec_decode.ngram import match_ngram
-from prefixserve.spec_decode.output_index import OutputIndex
+from prefixserve.spec_decode.tenant_indexes import TenantIndexes
 from prefixserve.structured_outputs.grammar import Grammar
 
-MAX_TENANTS = 256
 MAX_BACKOFF_STEPS = 16
 
 
@@ -53,7 +50,13 @@ class DraftProposer:
         self.config = config
         self.stats = SpecDecodeStats(config.method)
         self._adaptive: weakref.WeakKeyDictionary[Sequence, _Adaptive] = weakref.WeakKeyDictionary()
-        self._tenants: OrderedDict[Hashable, OutputIndex] = OrderedDict()
+        self.suffix_index = TenantIndexes(
+            config.suffix_decoding_max_cached_requests,
+            config.prompt_lookup_min,
+            config.prompt_lookup_max,
+            config.suffix_decoding_max_cached_bytes_per_tenant,
+            config.suffix_decoding_max_cached_bytes,
+        )
 
     def is_enabled(self, num_running_seqs: int) -> bool:
         """Whether sequences speculate in a step that starts with this many running."""
@@ -80,11 +83,9 @@ class DraftProposer:
             return []
         cfg = self.config
         n, drafts = match_ngram(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-        index = self._tenants.get(request.extra_keys) if cfg.method == "suffix" else None
-        if index is not None:
-            self._tenants.move_to_end(request.extra_keys)
+        if cfg.method == "suffix":
             tail = seq.token_ids[len(seq.token_ids) - cfg.prompt_lookup_max :]
-            n_global, global_drafts = index.lookup(tail, k)
+            n_global, global_drafts = self.suffix_index.lookup(request.extra_keys, tail, k)
             if n_global > n:
                 drafts = global_drafts
         if drafts and seq.grammar is not None:
@@ -109,21 +110,12 @@ class DraftProposer:
         """Index a finished request's outputs for its tenant (``method="suffix"`` only)."""
         if self.config.method != "suffix" or request.error is not None:
             return
-        key = request.extra_keys
-        index = self._tenants.get(key)
-        if index is None:
-            cfg = self.config
-            index = OutputIndex(
-                cfg.suffix_decoding_max_cached_requests,
-                cfg.prompt_lookup_min,
-                cfg.prompt_lookup_max,
-            )
-            self._tenants[key] = index
-            while len(self._tenants) > MAX_TENANTS:
-                self._tenants.popitem(last=False)
-        self._tenants.move_to_end(key)
-        for seq in request.seqs:
-            index.add(seq.output_token_ids)
+        self.suffix_index.add(request.extra_keys, [seq.output_token_ids for seq in request.seqs])
+
+    def snapshot(self) -> dict[str, float | int | str]:
+        """The counters (``SpecDecodeStats.snapshot``) and the suffix index's memory (zeros
+        with ``method="ngram"``)."""
+        return {**self.stats.snapshot(), **self.suffix_index.stats()}
 
 
 def _grammar_prefix(grammar: Grammar, drafts: list[int]) -> list[int]:

@@ -2,9 +2,9 @@
 
 Every field OpenAI documents is honoured, accepted without effect and named in the
 ``x-prefixserve-ignored`` response header (``text.verbosity``; ``reasoning.effort`` where the
-chat template has no thinking switch), or refused with a 400 naming it (``check_supported``);
-fields nobody documents are accepted and ignored, as on the other endpoints. ``cache_salt``
-(vLLM's) names the tenant's prefix-cache and store namespace.
+chat template has no thinking switch: ``frontend/reasoning_effort.py``), or refused with a 400
+naming it (``check_supported``); fields nobody documents are accepted and ignored, as on the
+other endpoints. ``cache_salt`` (vLLM's) names the tenant's prefix-cache and store namespace.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any, Literal
 from pydantic import Field
 
 from prefixserve.api.frontend.protocol import APIError, Lenient
+from prefixserve.api.frontend.reasoning_effort import EFFORTS
 from prefixserve.sampling_params import MAX_LOGPROBS
 
-EFFORTS = (None, "none", "minimal", "low", "medium", "high", "xhigh")
 INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content")
 """``include`` values honoured: logprobs on output text; encrypted reasoning, of which this
 server has none to send (it keeps reasoning in its store instead)."""
@@ -66,8 +66,8 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "conversation": (_unset, "conversations are not supported; use previous_response_id"),
     "prompt": (_unset, "stored prompt templates are not supported"),
     "reasoning": (
-        lambda v: v is None or (isinstance(v, dict) and v.get("effort") in EFFORTS),
-        f"reasoning.effort: one of {list(EFFORTS[1:])}",
+        lambda v: v is None or (isinstance(v, dict) and v.get("effort") in (None, *EFFORTS)),
+        f"reasoning.effort: one of {list(EFFORTS)}",
     ),
     "max_tool_calls": (_unset, "max_tool_calls is not supported"),
     "context_management": (_unset, "context management (compaction) is not supported"),
@@ -110,8 +110,6 @@ def refused_fields() -> list[str]:
     return sorted({*_REFUSED, "include"})
 
 
-def thinking_of(req: ResponsesRequest) -> bool | None:
-    """``reasoning.effort`` as the chat template's ``enable_thinking``: off for ``none`` and
-    ``minimal``, on for the others, None when not given."""
-    effort = (req.reasoning or {}).get("effort")
-    return None if effort is None else effort not in ("none", "minimal")
+def effort_of(req: ResponsesRequest) -> str | None:
+    """``reasoning.effort`` (None when not given)."""
+    return (req.reasoning or {}).get("effort")

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse
 from prefixserve.api.async_engine import RequestStream
 from prefixserve.api.frontend.inputs import TemplateServing, ToolRequest
 from prefixserve.api.frontend.protocol import APIError, random_id
+from prefixserve.api.frontend.reasoning_effort import effort_kwargs
 from prefixserve.api.frontend.stream import event_stream
 from prefixserve.api.frontend.tenancy import Tenant, tenant_of
 from prefixserve.api.openai.protocol import _SamplingFields
@@ -46,7 +47,7 @@ from prefixserve.api.openai.responses.output import ResponseOutput
 from prefixserve.api.openai.responses.protocol import (
     ResponsesRequest,
     check_supported,
-    thinking_of,
+    effort_of,
 )
 from prefixserve.api.openai.responses.store import Record, ResponseStore, StoredResponse
 from prefixserve.api.openai.responses.tools import JSON_ARGUMENTS, ResponsesTools, chat_tools
@@ -73,7 +74,6 @@ class ResponsesServing(TemplateServing):
         self.continuations = {"token_exact": 0, "rerendered": 0, "truncated": 0}
         self.truncations = 0
         self.tools_not_offered: Counter[str] = Counter()
-        self.thinking_switch = "enable_thinking" in str(engine.tokenizer.chat_template or "")
 
     def stats(self) -> dict:
         """The Responses figures of /stats (the same values as the Prometheus metrics)."""
@@ -210,8 +210,9 @@ class ResponsesServing(TemplateServing):
 
     def _notices(self, req: ResponsesRequest, offered: ResponsesTools) -> dict[str, str]:
         """Response headers naming what the request asked for and did not get."""
+        effort = effort_kwargs(effort_of(req), self.engine.tokenizer.chat_template)
         ignored = [name for name, given in (
-            ("reasoning.effort", thinking_of(req) is not None and not self.thinking_switch),
+            ("reasoning.effort", effort is None),
             ("text.verbosity", (req.text or {}).get("verbosity") is not None),
         ) if given]  # fmt: skip
         headers = {"x-prefixserve-ignored": ", ".join(ignored)} if ignored else {}
@@ -266,12 +267,11 @@ class ResponsesServing(TemplateServing):
         if not messages:
             raise APIError("input: give at least one item (or instructions)", 400, "input")
         try:
-            thinking = thinking_of(req) if self.thinking_switch else None
+            effort = effort_kwargs(effort_of(req), self.engine.tokenizer.chat_template)
             text = render_chat_text(self.engine.tokenizer, messages, tools=tools,
                                     add_generation_prompt=req.generate,
                                     content_format=self.content_format,
-                                    chat_template_kwargs=None if thinking is None else {
-                                        "enable_thinking": thinking})  # fmt: skip
+                                    chat_template_kwargs=effort or None)  # fmt: skip
         except InvalidArgumentError as exc:
             raise APIError(str(exc), 400, "input") from exc
         text += self._reasoning_prefill(text, trailing)
