@@ -1,4 +1,6 @@
-"""The host tier on SmolLM2-135M-Instruct (float32): uncompressed it is exact; compressed
+"""The host tier on SmolLM2-135M-Instruct (float32): uncompressed it is exact to the bit (both runs
+are ``batch_invariant``, so where a prefix is loaded instead of recomputed, what is computed
+after it is rounded the same way); compressed
 (``kv_offloading_dtype`` int8 / fp8) its greedy agreement and logprob drift are measured and
 bounded here, and the figures go to docs/kv-tiers.md (``-s`` prints them).
 
@@ -21,7 +23,7 @@ TOPICS = ["caches", "compilers", "rivers", "bread", "chess", "volcanoes"]
 
 
 def _run(**tiers) -> list:
-    llm = LLM("smollm2", gguf_dequantize=True, num_kv_blocks=48, **tiers)
+    llm = LLM("smollm2", gguf_dequantize=True, num_kv_blocks=48, batch_invariant=True, **tiers)
     params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=0)
     chats = [
         [{"role": "system", "content": f"You are an expert on {t}. " + f"Facts about {t}. " * 40},
@@ -65,7 +67,7 @@ def test_uncompressed_host_tier_is_exact_on_smollm2(reference):
     outs, stats = _run(kv_offloading_size=0.5)
     assert stats["tiers"]["CPU_TIER"]["hits"] > 0
     agreement, max_drift, _ = _compare(outs, reference)
-    assert agreement == 1.0 and max_drift <= 1e-5
+    assert agreement == 1.0 and max_drift == 0.0
 
 
 @needs_smollm2
