@@ -3,8 +3,10 @@ paged attention), registered as torch ops ``torch.ops.prefixserve_cpu.*``.
 
 ``available()`` builds them on first use with the machine's own compiler
 (``torch.utils.cpp_extension``: ``-O3 -march=native -ffp-contract=off``, OpenMP through the
-libgomp torch already loaded), caches the build on disk (``TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``; a second process waits on the first's lock, then loads) and
+libgomp torch already loaded), caches the build on disk in a folder named by a hash of the sources,
+the flags and torch's version (under ``TORCH_EXTENSIONS_DIR``, by default
+``~/.cache/torch_extensions``: checkouts with the same sources share one build, different ones
+never rebuild each other's; a second process waits on the first's lock, then loads) and
 registers the ops' output shapes for ``torch.compile``. It returns False, logged once, where the
 build fails (no compiler, no ninja, another architecture's compiler): callers then keep torch's
 own kernels. ``-ffp-contract=off``: every fused multiply-add is written out in the sources, so
@@ -19,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+import xxhash
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +36,12 @@ def available() -> bool:
     from torch.utils import cpp_extension
 
     start = time.perf_counter()
+    digest = xxhash.xxh3_64(f"{torch.__version__}|{_FLAGS}".encode())
+    for source in _SOURCES:
+        digest.update(source.read_bytes())
     try:
-        cpp_extension.load(
-            name="prefixserve_cpu",
+        cpp_extension.load(  # built in <extensions dir>/<name>: one folder per source hash
+            name=f"prefixserve_cpu_{digest.hexdigest()}",
             sources=[str(s) for s in _SOURCES],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
