@@ -303,6 +303,9 @@ class LLMEngine:
             self.scheduler.abandon_step(scheduler_output)
             raise
         touched = self.scheduler.update_from_output(scheduler_output, sampled)
+        rows = sum(s.num_new_tokens + len(s.draft_token_ids) for s in scheduler_output.scheduled)
+        if (proposer := self.scheduler.proposer) is not None:
+            proposer.observe_step(rows, runner_output.forward_seconds)  # what a row costs
         if tiers is not None:
             tiers.flush()  # the step's new blocks, written through to disk / shared
             tiers.observe_forward(

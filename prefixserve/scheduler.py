@@ -171,7 +171,7 @@ class Scheduler:
         self._first_admitted.clear()
         budget = self.config.max_num_batched_tokens
         preempted = False
-        speculate = self.proposer is not None and self.proposer.is_enabled(self.num_running_seqs())
+        speculate = self.proposer is not None and self.proposer.begin_step(self.num_running_seqs())
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]

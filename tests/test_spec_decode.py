@@ -15,6 +15,7 @@ from prefixserve.spec_decode.metrics import SpecDecodeStats
 from prefixserve.spec_decode.ngram import match_ngram
 from prefixserve.spec_decode.output_index import BYTES_PER_NGRAM, BYTES_PER_TOKEN, OutputIndex
 from prefixserve.spec_decode.proposer import DraftProposer, _grammar_prefix
+from prefixserve.spec_decode.step_cost import StepCost
 from prefixserve.spec_decode.tenant_indexes import TenantIndexes
 
 LARGE = 1 << 30
@@ -291,3 +292,36 @@ def test_truncate_frees_blocks_past_the_kept_tokens():
     assert kv.pool.num_free_blocks == free_before + 2
     kv.truncate("s", 8)  # idempotent
     assert len(kv.get_block_table("s")) == 2
+
+
+def test_step_cost_fits_the_weights_and_the_rows():
+    cost = StepCost(window=8)
+    assert cost.row_price(8) is None  # nothing seen
+    for rows in (1, 1, 1):
+        cost.observe(rows, 0.020)
+    assert cost.row_price(8) is None  # one row count: b undetermined
+    for rows, seconds in ((1, 0.020), (5, 0.024), (9, 0.028), (33, 0.052)):
+        cost.observe(rows, seconds)  # 19 ms + 1 ms a row
+    a, b = cost.fit()
+    assert a == pytest.approx(0.019) and b == pytest.approx(0.001)
+    assert cost.row_price(1) == pytest.approx(0.001 / 0.020)  # one stream: rows nearly free
+    assert cost.row_price(32) == pytest.approx(0.032 / 0.051)  # a wide batch: a row costs a lot
+
+
+def test_the_batch_price_of_a_row_caps_drafts():
+    """A sequence drafts while its acceptance rate to the k-th power covers what a row costs the
+    batch: all with one stream, fewer in a wide batch, none when it does not copy."""
+    proposer = DraftProposer(SpeculativeConfig("ngram", 5, 1, 3))
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
+    request, seq = _request(tokens)
+    seq.num_computed_tokens = len(tokens) - 1
+    for rows, seconds in ((1, 0.020), (6, 0.025), (32, 0.051)):
+        proposer.observe_step(rows, seconds)  # about 19 ms + 1 ms a row
+    assert proposer.begin_step(1)
+    assert len(proposer.propose(request, seq, 1, 16)) == 5  # one stream: rows nearly free
+    assert proposer.begin_step(16)  # a row costs ~0.46 tokens: 0.6 (the prior) covers one draft
+    assert len(proposer.propose(request, seq, 1, 16)) == 1
+    proposer.observe(seq, 1, 1)  # the sequence copies: its rate goes up, and its drafts
+    proposer.observe(seq, 2, 2)
+    assert proposer.begin_step(16)
+    assert len(proposer.propose(request, seq, 1, 16)) == 5  # acceptance ~0.9: all affordable

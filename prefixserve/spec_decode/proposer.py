@@ -15,6 +15,13 @@ accepted them all). After ``m`` verifications in a row that accepted nothing it 
 ``min(2**(m-1), MAX_BACKOFF_STEPS)`` steps' drafts (its text is not copying anything now), so free
 text pays little for speculation: one draft now and then.
 
+What the batch pays: a draft adds a row to a step every running sequence waits for. Its ``i``-th
+draft is accepted with probability about ``p**i``, ``p`` the sequence's acceptance rate (per
+draft, an average over its recent verifications), and buys a token; the row costs the batch
+``price`` tokens (``StepCost.row_price`` of a step of that many rows, measured). A sequence
+drafts at most the ``k`` with ``p**k >= price``: with one stream rows are nearly free and any
+match drafts; in a wide batch only sequences that are copying do.
+
 Suffix drafts (``method="suffix"``) also search the recent outputs of the request's tenant
 (``Request.extra_keys``: its ``cache_salt``): one tenant's outputs never draft another's, since
 acceptance (visible as latency) would leak them. The indexes are bounded per tenant and across
@@ -23,6 +30,7 @@ tenants (``tenant_indexes.py``).
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -30,19 +38,26 @@ from prefixserve.sequence import Request, Sequence
 from prefixserve.spec_decode.config import SpeculativeConfig
 from prefixserve.spec_decode.metrics import SpecDecodeStats
 from prefixserve.spec_decode.ngram import match_ngram
+from prefixserve.spec_decode.step_cost import StepCost
 from prefixserve.spec_decode.tenant_indexes import TenantIndexes
 from prefixserve.structured_outputs.grammar import Grammar
 
 MAX_BACKOFF_STEPS = 16
 
 
+ACCEPTANCE_PRIOR = 0.6  # a new sequence's acceptance rate per draft, before it is measured
+ACCEPTANCE_DECAY = 0.5  # the weight of the older verifications in the running rate
+
+
 @dataclass(slots=True)
 class _Adaptive:
-    """One sequence's draft budget: ``k`` drafts at most, none for ``backoff`` more steps."""
+    """One sequence's draft budget: ``k`` drafts at most, none for ``backoff`` more steps;
+    ``acceptance``: its running acceptance rate per draft."""
 
     k: int
     misses: int = 0  # verifications in a row that accepted nothing
     backoff: int = 0
+    acceptance: float = ACCEPTANCE_PRIOR
 
 
 class DraftProposer:
@@ -57,10 +72,22 @@ class DraftProposer:
             config.suffix_decoding_max_cached_bytes_per_tenant,
             config.suffix_decoding_max_cached_bytes,
         )
+        self.step_cost = StepCost()
+        self._row_price: float | None = None  # of the step being scheduled
 
     def is_enabled(self, num_running_seqs: int) -> bool:
         """Whether sequences speculate in a step that starts with this many running."""
         return num_running_seqs < self.config.disable_by_batch_size
+
+    def begin_step(self, num_running_seqs: int) -> bool:
+        """A step with this many running sequences is being scheduled: whether they speculate,
+        and (for ``propose``) what a draft row costs the batch in it."""
+        self._row_price = self.step_cost.row_price(max(1, num_running_seqs))
+        return self.is_enabled(num_running_seqs)
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A forward of ``rows`` rows took ``seconds`` (the engine reports every step)."""
+        self.step_cost.observe(rows, seconds)
 
     def propose(
         self, request: Request, seq: Sequence, num_new_tokens: int, max_drafts: int
@@ -78,6 +105,7 @@ class DraftProposer:
             adaptive.k if adaptive is not None else self.config.num_speculative_tokens,
             max_drafts,
             request.max_total_tokens - seq.num_tokens - 1,
+            self._affordable(adaptive.acceptance if adaptive is not None else ACCEPTANCE_PRIOR),
         )
         if k <= 0:
             return []
@@ -92,12 +120,25 @@ class DraftProposer:
             drafts = _grammar_prefix(seq.grammar, drafts)
         return drafts
 
+    def _affordable(self, acceptance: float) -> int:
+        """The most drafts whose last is still worth its row: ``acceptance**k >= price``."""
+        price = self._row_price
+        if price is None or price <= 0:
+            return self.config.num_speculative_tokens
+        if acceptance <= price:
+            return 0
+        if acceptance >= 1:
+            return self.config.num_speculative_tokens
+        return int(math.log(price) / math.log(acceptance))
+
     def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """One verification's outcome (the lifecycle reports it): counters and adaptive k."""
         self.stats.observe(num_drafts, num_accepted)
         if num_drafts == 0:
             return
         adaptive = self._adaptive.setdefault(seq, _Adaptive(self.config.num_speculative_tokens))
+        rate = _per_draft_rate(num_drafts, num_accepted)
+        adaptive.acceptance = ACCEPTANCE_DECAY * adaptive.acceptance + (1 - ACCEPTANCE_DECAY) * rate
         k = num_accepted + 1
         if num_accepted == num_drafts:
             k = max(k, adaptive.k)
@@ -116,6 +157,15 @@ class DraftProposer:
         """The counters (``SpecDecodeStats.snapshot``) and the suffix index's memory (zeros
         with ``method="ngram"``)."""
         return {**self.stats.snapshot(), **self.suffix_index.stats()}
+
+
+def _per_draft_rate(num_drafts: int, num_accepted: int) -> float:
+    """The per-draft rate ``p`` one verification points at: the first rejected draft (if any)
+    was accepted with probability ``p**position``; ``p`` estimated as accepted / (accepted + 1),
+    and (accepted + 0.5) / (drafts + 0.5) when every draft was accepted."""
+    if num_accepted == num_drafts:
+        return (num_accepted + 0.5) / (num_drafts + 0.5)
+    return num_accepted / (num_accepted + 1)
 
 
 def _grammar_prefix(grammar: Grammar, drafts: list[int]) -> list[int]:
