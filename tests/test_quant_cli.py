@@ -1,5 +1,5 @@
 """The quantization / GGUF options on the command line and in ``EngineConfig``, and a smoke run of
-``benchmarks/quant_ppl.py`` and ``benchmarks/decode.py`` on a tiny GGUF file."""
+``benchmarks/quant_ppl.py`` and ``benchmarks/decode offline`` on a tiny GGUF file."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from prefixserve.errors import InvalidArgumentError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-import decode
 import quant_ppl
+from decode import offline
 
 
 def test_serve_takes_a_gguf_file_and_the_quantization_flags():
@@ -53,11 +53,14 @@ def test_quant_ppl_runs_every_scheme(tiny_gguf, tmp_path):
     assert all(abs(c) < 0.05 for c in result["change_vs_float32"].values())
 
 
-def test_decode_benchmark_runs(tiny_gguf, tmp_path):
-    result = decode.main(
-        ["--model", str(tiny_gguf), "--schemes", "float32", "int4", "--streams", "1", "2",
-         "--max-tokens", "3", "--runs", "1", "--threads", "1", "--out-dir", str(tmp_path)]
+def test_decode_benchmark_runs_a_gguf_file(tiny_gguf, tmp_path):
+    result = offline.main(
+        ["--model", str(tiny_gguf), "--schemes", "float32", "int4", "--variants", "eager",
+         "--streams", "1", "2", "--max-tokens", "3", "--rounds", "1", "--threads", "1",
+         "--no-memory", "--out-dir", str(tmp_path)]
     )  # fmt: skip
-    assert set(result["median"]) == {"float32", "int4"}
-    assert all(rate > 0 for d in result["median"].values() for rate in d.values())
-    assert (tmp_path / "decode.json").is_file()
+    assert {(r["engine"], r["streams"]) for r in result["rows"]} == {
+        (f"{s}/eager", n) for s in ("float32", "int4") for n in (1, 2)
+    }
+    assert all(r["tokens_per_s"] > 0 for r in result["rows"])
+    assert (tmp_path / "decode_offline.json").is_file()

@@ -81,6 +81,8 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:  # [T, nh, hd]
         md = attn_metadata
+        if md.backend_plan is None and 0 in md.query_lens_cpu:  # checked once a step
+            raise ValueError("every sequence of a batch needs at least one query token")
         token_by_token = self.batch_invariant or md.max_query_len <= TOKEN_BY_TOKEN_MAX_QUERY
         if token_by_token and _cpu_kernel_applies(query):
             if md.backend_plan is None:
@@ -261,8 +263,6 @@ class _StepPlan:
         cls, md: AttentionMetadata, bs: int, device: torch.device, dtype: torch.dtype
     ) -> _StepPlan:
         qsl, q_lens, seq_lens = md.query_start_loc_cpu, md.query_lens_cpu, md.seq_lens_cpu
-        if 0 in q_lens:  # torch's CPU flash kernel dies on an empty query (SIGFPE)
-            raise ValueError("every sequence of a batch needs at least one query token")
         tables = md.block_tables.tolist()
         starts = [0] * md.num_seqs  # first context position each sequence attends to in part 2
         for members, num_blocks in md.prefix_groups:
