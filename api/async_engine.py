@@ -6,6 +6,8 @@ Threads and ownership::
     prepare() (tokenize, validate, grammar submitted: the engine's thread-safe preprocessor)
     add()   --> _pending adds  ------------->   engine.add_request  -> accepted | error
     abort() --> _pending aborts ------------>   engine.abort_request (between steps)
+    retain_kv() / release_kv() / resume_kv()    engine.retain_kv / ... (between steps, before
+            --> _pending calls ------------->   the adds; the caller awaits the result)
     RequestStream.queue  <-- call_soon_threadsafe --  engine.step() outputs, one batch per step
     snapshot() <------------- the engine's latest ``EngineStats``, published every step
 
@@ -39,10 +41,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from prefixserve.api.frontend.protocol import APIError
 from prefixserve.engine import EngineStats, LLMEngine
 from prefixserve.errors import StepFailedError
+from prefixserve.kv.retention import KVRetention
 from prefixserve.outputs import RequestOutput
 from prefixserve.preprocessor import PreparedRequest
 from prefixserve.sampling_params import BeamSearchParams, SamplingParams
@@ -181,6 +185,7 @@ class AsyncEngine:
             ]
         ] = []
         self._aborts: list[str] = []
+        self._calls: list[tuple[Callable[[LLMEngine], Any], Future]] = []
         self._fail_all: BaseException | None = None
         self._num_waiting = 0
         self._streams: dict[str, RequestStream] = {}
@@ -230,6 +235,10 @@ class AsyncEngine:
         self._go.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        with self._cond:
+            calls, self._calls = self._calls, []
+        for _, future in calls:
+            future.set_exception(EngineDeadError("the engine stopped"))
         self.engine.shutdown()
 
     def admit(self, count: int) -> None:
@@ -278,6 +287,29 @@ class AsyncEngine:
             self._aborts.append(request_id)
             self._cond.notify()
 
+    async def retain_kv(
+        self, token_ids: list[int], retention: KVRetention, cache_salt: str | None
+    ) -> int:
+        """``LLMEngine.retain_kv`` between steps."""
+        return await self._call(lambda e: e.retain_kv(token_ids, retention, cache_salt))
+
+    async def release_kv(self, session: str) -> int:
+        """``LLMEngine.release_kv`` between steps."""
+        return await self._call(lambda e: e.release_kv(session))
+
+    async def resume_kv(self, sessions: list[str]) -> int:
+        """``LLMEngine.resume_kv`` of each session, between steps."""
+        return await self._call(lambda e: sum(e.resume_kv(s) for s in sessions))
+
+    async def _call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine is not running: {self.dead!r}")
+        future: Future = Future()
+        with self._cond:
+            self._calls.append((fn, future))
+            self._cond.notify()
+        return await asyncio.wrap_future(future)
+
     def fail_all(self, error: BaseException) -> None:
         """Abort every live request; each of their streams ends with ``error``."""
         with self._cond:
@@ -297,6 +329,7 @@ class AsyncEngine:
                     while not (
                         self._adds
                         or self._aborts
+                        or self._calls
                         or self._fail_all is not None
                         or self._stopping
                         or self.engine.has_unfinished_requests()
@@ -306,7 +339,10 @@ class AsyncEngine:
                         return
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, []
+                    calls, self._calls = self._calls, []
                     fail_all, self._fail_all = self._fail_all, None
+                for fn, future in calls:
+                    _settle(future, fn, self.engine)
                 for stream, prompt, params in adds:
                     self._add(stream, prompt, params)
                 if fail_all is not None:
@@ -381,6 +417,9 @@ class AsyncEngine:
         with self._cond:
             pending = [s for s, _, _ in self._adds]
             self._adds.clear()
+            calls, self._calls = self._calls, []
+        for _, future in calls:
+            future.set_exception(error)
         if self._loop is None or self._loop.is_closed():
             return
         self._loop.call_soon_threadsafe(_deliver, [(s, error) for s in streams])
@@ -388,6 +427,14 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(stream.settle_accepted, error)
         if self.on_death is not None:
             self._loop.call_soon_threadsafe(self.on_death, exc)
+
+
+def _settle(future: Future, fn: Callable[[LLMEngine], Any], engine: LLMEngine) -> None:
+    """Run one call on the engine thread; its result or error goes to the awaiting handler."""
+    try:
+        future.set_result(fn(engine))
+    except Exception as exc:
+        future.set_exception(exc)
 
 
 def _deliver(deliveries: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:

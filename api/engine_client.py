@@ -9,7 +9,8 @@ implement it.
             │                                                  raises a typed 4xx error)
             ├─ admit(count)                                    (503 when the queue is full)
             ├─ add(request_id, prepared, timeout=) ──> RequestStream of cumulative RequestOutputs
-            └─ abort(request_id)                               (client gone, error, timeout)
+            ├─ abort(request_id)                               (client gone, error, timeout)
+            └─ retain_kv / release_kv / resume_kv              (retention outside a request)
 
 Invariants every implementation keeps: ``add`` returns once the engine accepted the request or
 raises the error it refused it with; every stream then ends with exactly one terminal item (a
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from prefixserve.api.async_engine import RequestStream
+    from prefixserve.kv.retention import KVRetention
     from prefixserve.preprocessor import PreparedRequest
     from prefixserve.sampling_params import BeamSearchParams, SamplingParams
 
@@ -59,3 +61,16 @@ class EngineClient(Protocol):
 
     def fail_all(self, error: BaseException) -> None:
         """End every live request with ``error`` (the end of a shutdown drain)."""
+
+    async def retain_kv(
+        self, token_ids: list[int], retention: KVRetention, cache_salt: str | None
+    ) -> int:
+        """Retain the cached blocks of ``token_ids`` outside a request (a reply that ended in a
+        tool call); the number of blocks retained."""
+
+    async def release_kv(self, session: str) -> int:
+        """Drop what ``session`` retained; the number of blocks released."""
+
+    async def resume_kv(self, sessions: list[str]) -> int:
+        """The sessions' next turn arrived: their pauses end (a TTL sample each) and their
+        retention is dropped; the number of blocks released."""

@@ -45,10 +45,12 @@ from prefixserve.api.frontend.tenancy import Tenants, key_tenants, tenant_of
 from prefixserve.api.metrics import ServerMetrics
 from prefixserve.api.openai.chat import ChatServing
 from prefixserve.api.openai.completions import CompletionServing
+from prefixserve.api.openai.prompt_cache import retention_session
 from prefixserve.api.openai.protocol import (
     DetokenizeRequest,
     ModelCard,
     ModelList,
+    ReleaseRequest,
     TokenizeRequest,
 )
 from prefixserve.api.openai.responses.metrics import ResponsesCollector
@@ -88,7 +90,8 @@ class ServerConfig:
     ``api_key``, ``api_keys`` (key -> tenant name): the keys accepted on /v1 (``frontend.tenancy``);
     ``share_prefix_cache_across_tenants``: tenants share cached blocks (never stored responses).
     ``hosted_tools``: ``accept`` (hosted Responses tools are not offered, and said so) or
-    ``refuse`` (a 400). ``drop_attribution_header``: leave Claude Code's per-session attribution block out of
+    ``refuse`` (a 400). ``retain_tool_call_kv``: a reply that ends in a tool call keeps its KV
+    for a learned TTL (``frontend.tool_call_retention``). ``drop_attribution_header``: leave Claude Code's per-session attribution block out of
     Messages prompts (``api/messages_prompt.py``). ``messages_force_tool_call``: a testing aid
     (``MessagesServing``).
     """
@@ -112,6 +115,7 @@ class ServerConfig:
     responses_store_tenant_max_bytes: int | None = None
     responses_store_path: str = IN_MEMORY
     hosted_tools: str = "accept"
+    retain_tool_call_kv: bool = True
     drop_attribution_header: bool = True
     messages_force_tool_call: dict | None = None
 
@@ -214,7 +218,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     )
     template = dict(
         tool_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,
-        content_format=config.chat_template_content_format, **options,
+        content_format=config.chat_template_content_format,
+        retain_tool_calls=config.retain_tool_call_kv, **options,
     )  # fmt: skip
     chat = ChatServing(engine, names, **template)
     completion = CompletionServing(engine, names, **options)
@@ -338,7 +343,16 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def delete_response(
         response_id: str, raw_request: Request, cache_salt: str | None = None
     ):
-        return responses.delete(tenant_of(raw_request), response_id, cache_salt)
+        return await responses.delete(tenant_of(raw_request), response_id, cache_salt)
+
+    @app.post("/v1/kv/release")
+    async def release_kv(body: ReleaseRequest, raw_request: Request):
+        """Drop what the caller retained: with ``id``, what that response or completion
+        retained (``prompt_cache_retention``); without, its ``cache_control`` prefixes. Scoped
+        to the caller's tenant and ``cache_salt``; the blocks stay cached as ordinary blocks."""
+        namespace = tenant_of(raw_request).namespace(body.cache_salt)
+        session = namespace if body.id is None else retention_session(namespace, body.id)
+        return {"object": "kv.release", "released_blocks": await engine.release_kv(session)}
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def response_input_items(

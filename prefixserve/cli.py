@@ -194,6 +194,14 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "list TOOL and end with the user's own turn get a forced call of it matching the schema",
     )
     p.add_argument(
+        "--retain-tool-call-kv",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a reply that ends in a tool call keeps its KV (prompt and reply) retained until "
+        "the call's result arrives, for a TTL learned from the gaps seen so far (capped by "
+        "--kv-retention-max-ttl)",
+    )
+    p.add_argument(
         "--require-cache-salt",
         action="store_true",
         help="refuse requests without a cache_salt (one prefix-cache namespace per tenant)",
@@ -287,6 +295,7 @@ def run_serve(args: argparse.Namespace) -> int:
         responses_store_tenant_max_bytes=args.responses_store_tenant_max_bytes,
         responses_store_path=args.responses_store_path,
         hosted_tools=args.hosted_tools,
+        retain_tool_call_kv=args.retain_tool_call_kv,
         drop_attribution_header=args.drop_attribution_header,
         messages_force_tool_call=args.messages_force_tool_call,
     )

@@ -383,6 +383,13 @@ class LLMEngine:
         number of blocks released."""
         return self.scheduler.release_kv(session)
 
+    def resume_kv(self, session: str) -> int:
+        """``session``'s next turn arrived (a tool result for a call its reply made): the gap
+        since it paused is a sample for the learned TTL, and its retention ends (the blocks stay
+        cached for the new turn to read; its own reply retains them again if it pauses).
+        Returns the number of blocks no longer retained."""
+        return self.scheduler.resume_kv(session)
+
 
 def _derive_seed(seed: int, index: int) -> int:
     """Sample ``index`` of a seeded request gets its own stream; sample 0 uses the seed itself."""

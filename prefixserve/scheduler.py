@@ -156,6 +156,10 @@ class Scheduler:
     def release_kv(self, session: str) -> int:
         return self.kv.release(session)
 
+    def resume_kv(self, session: str) -> int:
+        self.kv.observe_session(session)
+        return self.kv.release(session)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

@@ -77,7 +77,8 @@ def test_stream_events_in_anthropic_order(server):
     start = events[0][1]["message"]
     assert start["content"] == [] and start["stop_reason"] is None
     assert set(start["usage"]) == {"input_tokens", "output_tokens",
-                                   "cache_creation_input_tokens", "cache_read_input_tokens"}  # fmt: skip
+                                   "cache_creation_input_tokens", "cache_read_input_tokens",
+                                   "cache_creation"}  # fmt: skip
     delta = events[-2][1]
     assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
     assert delta["usage"]["output_tokens"] == 5

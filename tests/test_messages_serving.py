@@ -69,7 +69,9 @@ def test_stream_order_and_usage_split_in_message_start():
     ]  # fmt: skip
     usage = events[0][1]["message"]["usage"]
     assert usage == {"input_tokens": 8, "output_tokens": 0, "cache_creation_input_tokens": 16,
-                     "cache_read_input_tokens": 16}  # fmt: skip
+                     "cache_read_input_tokens": 16,
+                     "cache_creation": {"ephemeral_5m_input_tokens": 16,
+                                        "ephemeral_1h_input_tokens": 0}}  # fmt: skip
     assert events[6][1] == {"type": "message_delta",
         "delta": {"stop_reason": "end_turn", "stop_sequence": None},
         "usage": {**usage, "output_tokens": 2}}  # fmt: skip

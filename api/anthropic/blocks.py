@@ -39,10 +39,14 @@ def unparsed_call_text(name: str, arguments: str) -> str:
 class BlockEvents:
     def __init__(self, parser: reply.ReplyParser) -> None:
         self.parser = parser
-        self.has_calls = False
+        self.first_call: str | None = None  # the id of the first tool_use block
         self._count = 0  # blocks started
         self._open: str | None = None  # type of the open block
         self._call: list[str] = []  # the call being read: id, name, arguments
+
+    @property
+    def has_calls(self) -> bool:
+        return self.first_call is not None
 
     def feed(self, text: str, finish: reply.Finish | None = None) -> list[Event]:
         events: list[Event] = []
@@ -65,7 +69,7 @@ class BlockEvents:
         if tool_input(arguments) is None:
             self._text(unparsed_call_text(name, arguments), events)
             return
-        self.has_calls = True
+        self.first_call = self.first_call or call_id
         self._open_block({"type": "tool_use", "id": call_id, "name": name, "input": {}}, events)
         self._delta("tool_use", {"type": "input_json_delta", "partial_json": arguments}, events)
 

@@ -28,6 +28,12 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from prefixserve.api.anthropic.blocks import BlockEvents, content_of
+from prefixserve.api.anthropic.cache_control import (
+    breakpoints,
+    common_prefix,
+    retentions,
+    split_usage,
+)
 from prefixserve.api.anthropic.prompt import to_chat_request
 from prefixserve.api.anthropic.protocol import (
     CountTokensRequest,
@@ -37,7 +43,7 @@ from prefixserve.api.anthropic.protocol import (
     anthropic_error,
 )
 from prefixserve.api.frontend.inputs import EngineInputs, TemplateServing
-from prefixserve.api.frontend.protocol import ToolRequest, random_id
+from prefixserve.api.frontend.protocol import APIError, ToolRequest, random_id
 from prefixserve.api.frontend.stream import DeltaTracker, drive, event_stream
 from prefixserve.api.frontend.structured_outputs import structured_outputs_of
 from prefixserve.api.frontend.tenancy import tenant_of
@@ -50,20 +56,12 @@ PING_INTERVAL_S = 10.0
 FIRST_OUTPUT_WAIT_S = 30.0
 
 
-def usage_of(out: RequestOutput, block_size: int | None) -> MessagesUsage:
-    """The prompt split by the prefix cache. ``block_size``: of the prefix cache, None when it
-    is off. Every full block of the prompt is cached once prefilled, so the full blocks not read
-    from the cache were created by this request."""
-    prompt = len(out.prompt_token_ids)
-    read = out.num_cached_tokens
-    full = prompt // block_size * block_size if block_size else 0
-    created = max(0, full - read)
-    return MessagesUsage(
-        input_tokens=prompt - read - created,
-        output_tokens=sum(len(c.token_ids) for c in out.outputs),
-        cache_creation_input_tokens=created,
-        cache_read_input_tokens=read,
-    )
+def usage_of(out: RequestOutput, block_size: int | None,
+             marks: tuple[tuple[int, float], ...] = ()) -> MessagesUsage:  # fmt: skip
+    """The prompt split by the prefix cache (``cache_control.split_usage``). ``block_size``: of
+    the prefix cache, None when it is off; ``marks``: (position, TTL) of each breakpoint."""
+    return split_usage(len(out.prompt_token_ids), out.num_cached_tokens, list(marks),
+                       block_size, sum(len(c.token_ids) for c in out.outputs))  # fmt: skip
 
 
 def stop_reason_of(c: CompletionOutput, called: bool) -> tuple[str | None, str | None]:
@@ -113,6 +111,22 @@ class MessagesServing(TemplateServing):
                            continue_final_message=chat_req.continue_final_message,
                            chat_template_kwargs=chat_req.chat_template_kwargs)  # fmt: skip
 
+    def _render_marked(
+        self, req: MessagesRequest, chat_req: ChatCompletionRequest, tools: list[dict] | None
+    ) -> tuple[list[int], tuple[tuple[int, float], ...]]:
+        """The prompt, and (position, TTL) of each ``cache_control`` breakpoint in it (a cut the
+        template refuses to render marks nothing)."""
+        prompt = self._render(chat_req, tools)
+        marks = []
+        for mark in breakpoints(req, self.drop_attribution):
+            try:
+                cut = self.render(mark.messages, mark.tools, add_generation_prompt=False,
+                                  chat_template_kwargs=chat_req.chat_template_kwargs)  # fmt: skip
+            except APIError:
+                cut = []
+            marks.append((common_prefix(cut, prompt), mark.ttl_s))
+        return prompt, tuple(marks)
+
     async def count_tokens(self, req: CountTokensRequest) -> dict:
         chat_req = self._chat_request(req)
         prompt = await asyncio.to_thread(self._render, chat_req, chat_req.tool_request().tools)
@@ -122,28 +136,35 @@ class MessagesServing(TemplateServing):
         chat_req = self._chat_request(req)
         model = self.check_model(req.model)
         tools = self._force(req, chat_req, chat_req.tool_request())
-        prompt = await asyncio.to_thread(self._render, chat_req, tools.tools)
+        prompt, marks = await asyncio.to_thread(self._render_marked, req, chat_req, tools.tools)
         structured = structured_outputs_of(chat_req)
+        tenant = tenant_of(raw_request)
         inputs = self.inputs(prompt, tools, chat_req, req.max_tokens, structured=structured,
-                             tenant=tenant_of(raw_request))
+                             tenant=tenant)  # fmt: skip
+        inputs.params.kv_retention = retentions(
+            [pos for pos, _ in marks], [ttl for _, ttl in marks],
+            tenant.namespace(req.cache_salt))  # fmt: skip
         message_id = random_id("msg_")
         streams = await self.add_all(message_id, [prompt], [inputs.params], "messages",
                                      inputs.grammar_source)  # fmt: skip
+        self.tool_calls.resumed(inputs, [m.get("tool_call_id") for m in chat_req.messages
+                                         if m.get("role") == "tool"])  # fmt: skip
         thinking = req.thinking or {}
         if thinking.get("type") == "enabled":
             streams = [BudgetedStream(self.engine, streams[0], prompt, inputs.params,
                                       thinking["budget_tokens"], self.reasoning_parser or "qwen3",
                                       inputs.prompt_tail, self.request_timeout)]  # fmt: skip
         if req.stream:
-            return event_stream(self._stream(message_id, model, streams, inputs))
+            return event_stream(self._stream(message_id, model, streams, inputs, marks))
         final = (await self.collect(raw_request, streams))[0]
         c = final.outputs[0]
         blocks = BlockEvents(self.reply_parser(inputs))
         content = content_of(blocks.feed(self.visible_text(c, inputs.mode), _finish(c)))
         reason, sequence = stop_reason_of(c, blocks.has_calls)
+        self.tool_calls.paused(inputs, c, blocks.first_call)
         return MessagesResponse(
             id=message_id, model=model, content=content, stop_reason=reason,
-            stop_sequence=sequence, usage=usage_of(final, self.block_size),
+            stop_sequence=sequence, usage=usage_of(final, self.block_size, marks),
         )  # fmt: skip
 
     def _force(
@@ -166,8 +187,8 @@ class MessagesServing(TemplateServing):
         return dataclasses.replace(tools, choice="named", name=spec["name"],
                                    grammar_tools=[{"type": "function", "function": function}])  # fmt: skip
 
-    def _stream(self, message_id: str, model: str, streams, inputs: EngineInputs
-                ) -> AsyncIterator[str]:  # fmt: skip
+    def _stream(self, message_id: str, model: str, streams, inputs: EngineInputs,
+                marks: tuple[tuple[int, float], ...] = ()) -> AsyncIterator[str]:  # fmt: skip
         tracker, blocks = DeltaTracker(), BlockEvents(self.reply_parser(inputs))
         started = False
 
@@ -176,8 +197,8 @@ class MessagesServing(TemplateServing):
             head = []
             if not started:
                 started = True
-                head = [self._message_start(message_id, model, out, len(inputs.prompt_token_ids)),
-                        event("ping", {})]  # fmt: skip
+                head = [self._message_start(message_id, model, out, len(inputs.prompt_token_ids),
+                                            marks), event("ping", {})]  # fmt: skip
             if out is None:
                 return head + ([event("ping", {})] if len(head) == 0 else [])
             c = out.outputs[0]
@@ -186,9 +207,10 @@ class MessagesServing(TemplateServing):
             body = blocks.feed(d.text, finish) if d is not None else []
             if out.finished:
                 reason, sequence = stop_reason_of(c, blocks.has_calls)
+                self.tool_calls.paused(inputs, c, blocks.first_call)
                 body.append(("message_delta", {
                     "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                    "usage": usage_of(out, self.block_size).model_dump()}))  # fmt: skip
+                    "usage": usage_of(out, self.block_size, marks).model_dump()}))  # fmt: skip
                 body.append(("message_stop", {}))
             return head + [event(kind, b) for kind, b in body]
 
@@ -199,11 +221,11 @@ class MessagesServing(TemplateServing):
                      first_idle_s=FIRST_OUTPUT_WAIT_S)  # fmt: skip
 
     def _message_start(self, message_id: str, model: str, out: RequestOutput | None,
-                       num_prompt: int) -> str:  # fmt: skip
+                       num_prompt: int, marks: tuple[tuple[int, float], ...]) -> str:  # fmt: skip
         """``message_start``; its usage is split by the cache once the first output is known,
         else the whole prompt counts as input (``message_delta`` corrects it)."""
         if out is not None:
-            usage = usage_of(out, self.block_size)
+            usage = usage_of(out, self.block_size, marks)
             usage.output_tokens = 0
         else:
             usage = MessagesUsage(input_tokens=num_prompt)

@@ -15,7 +15,9 @@ Mapping (each documented field is honoured, accepted without effect, or refused 
     a final assistant message        a prefill: the reply continues it
     image, document, other blocks    400
     tools (custom)                   functions; name, description, input_schema as parameters;
-                                     extra keys (cache_control, defer_loading) have no effect
+                                     defer_loading has no effect
+    cache_control (tools, system,    the prefix up to that block is retained for its TTL, and
+    content blocks)                  usage splits writes by TTL (``cache_control``)
     server tools (typed), MCP        400
     tool_choice auto/any/tool/none   "auto" / "required" / named / "none"; disable_parallel_
                                      tool_use -> parallel_tool_calls=false; "auto" without
@@ -71,9 +73,7 @@ def to_chat_request(
     """The chat request with the same prompt, sampling and tool mode; a 400 (``APIError``) on a
     field that cannot be honoured. ``can_parse_calls``: the server has a tool-call parser."""
     _refuse_server_features(req)
-    messages = _system_messages(req.system, drop_attribution)
-    for i, message in enumerate(req.messages):
-        messages += _convert(i, message.role, message.content)
+    messages = chat_messages(req, drop_attribution)
     prefill = req.messages[-1].role == "assistant"
     fields: dict[str, Any] = dict(
         model=req.model,
@@ -84,7 +84,7 @@ def to_chat_request(
         response_format=_response_format(req.output_config),
     )
     if req.tools:
-        fields["tools"] = [_tool(i, t) for i, t in enumerate(req.tools)]
+        fields["tools"] = convert_tools(req.tools)
     fields.update(_tool_choice(req.tool_choice, bool(req.tools), can_parse_calls))
     if isinstance(req, MessagesRequest):
         fields.update(req.sampling_fields(), stop=req.stop_sequences)
@@ -98,7 +98,20 @@ def _refuse_server_features(req: CountTokensRequest) -> None:
         raise APIError("container: code-execution containers are not supported", 400, "container")
 
 
-def _system_messages(system: str | list[dict] | None, drop_attribution: bool) -> list[dict]:
+def chat_messages(req: CountTokensRequest, drop_attribution: bool) -> list[dict]:
+    """The chat messages of the system prompt and ``req.messages``."""
+    messages = system_messages(req.system, drop_attribution)
+    for i, message in enumerate(req.messages):
+        messages += _convert(i, message.role, message.content)
+    return messages
+
+
+def convert_tools(tools: list[dict]) -> list[dict]:
+    """Anthropic custom tools as OpenAI functions."""
+    return [_tool(i, t) for i, t in enumerate(tools)]
+
+
+def system_messages(system: str | list[dict] | None, drop_attribution: bool) -> list[dict]:
     if system is None:
         return []
     blocks = [{"type": "text", "text": system}] if isinstance(system, str) else system

@@ -65,15 +65,23 @@ class MessagesRequest(CountTokensRequest):
             "repetition_penalty", "ignore_eos", "min_tokens", "cache_salt"})  # fmt: skip
 
 
+class CacheCreation(BaseModel):
+    """The tokens written to the cache, by the TTL they were written for."""
+
+    ephemeral_5m_input_tokens: int = 0
+    ephemeral_1h_input_tokens: int = 0
+
+
 class MessagesUsage(BaseModel):
-    """The prompt split three ways (see README, "Messages API"): ``cache_read_input_tokens``
-    came from the prefix cache, ``cache_creation_input_tokens`` filled new full (cacheable)
-    blocks, ``input_tokens`` is the rest (the partial last block)."""
+    """The prompt split three ways (``cache_control.split_usage``): ``cache_read_input_tokens``
+    came from the prefix cache, ``cache_creation_input_tokens`` were written to it (split by TTL
+    in ``cache_creation``), ``input_tokens`` is the rest."""
 
     input_tokens: int = 0
     output_tokens: int = 0
     cache_creation_input_tokens: int = 0
     cache_read_input_tokens: int = 0
+    cache_creation: CacheCreation = CacheCreation()
 
 
 class MessagesResponse(BaseModel):

@@ -27,6 +27,7 @@ from prefixserve.api.engine_client import EngineClient
 from prefixserve.api.frontend.protocol import APIError, ToolRequest
 from prefixserve.api.frontend.serving import BaseServing
 from prefixserve.api.frontend.tenancy import NO_TENANT, Tenant
+from prefixserve.api.frontend.tool_call_retention import ToolCallRetention
 from prefixserve.api.parsing.reasoning import (
     count_reasoning_tokens,
     reasoning_parser,
@@ -67,9 +68,11 @@ class TemplateServing(BaseServing):
         tool_parser: str | None = None,
         reasoning_parser: str | None = None,
         content_format: str = "auto",
+        retain_tool_calls: bool = True,
         **options: Any,
     ) -> None:
         super().__init__(engine, served_model_names, **options)
+        self.tool_calls = ToolCallRetention(engine, retain_tool_calls)
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
         self.content_format = content_format

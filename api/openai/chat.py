@@ -28,6 +28,7 @@ from prefixserve.api.frontend.structured_outputs import structured_outputs_of
 from prefixserve.api.frontend.tenancy import tenant_of
 from prefixserve.api.openai.chunks import chunk_stream, usage_of
 from prefixserve.api.openai.field_support import check_supported
+from prefixserve.api.openai.prompt_cache import retention_of, retention_session
 from prefixserve.api.openai.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -45,6 +46,7 @@ from prefixserve.api.parsing.reply import (
     TextDelta,
     ToolCallDelta,
     ToolMode,
+    first_call,
     fold,
 )
 from prefixserve.outputs import CompletionOutput, RequestOutput
@@ -82,12 +84,22 @@ class ChatServing(TemplateServing):
                              prompt_logprobs=req.prompt_logprobs,
                              tenant=tenant_of(raw_request))  # fmt: skip
         request_id = "chatcmpl-" + (req.request_id or random_id(""))
+        namespace = tenant_of(raw_request).namespace(req.cache_salt)
+        retention = retention_of(req.prompt_cache_retention,
+                                 retention_session(namespace, request_id))  # fmt: skip
+        if retention and not req.use_beam_search:
+            inputs.params.kv_retention = retention
         streams = await self.add_all(request_id, [prompt], [inputs.params], "messages",
                                      inputs.grammar_source)  # fmt: skip
+        self.tool_calls.resumed(inputs, [m.get("tool_call_id") for m in req.messages
+                                         if m.get("role") == "tool"])  # fmt: skip
         if req.stream:
             return event_stream(self._stream(req, request_id, model, streams, inputs), headers)
         final = (await self.collect(raw_request, streams))[0]
         choices = [self._choice(req, c, inputs) for c in final.outputs]
+        for c, choice in zip(final.outputs, choices):
+            calls = choice.message.tool_calls
+            self.tool_calls.paused(inputs, c, calls[0].id if calls else None)
         usage = usage_of([final])
         if self.reasoning_parser is not None:
             counts = [self.reasoning_tokens(c.token_ids, ch.message.reasoning_content)
@@ -166,6 +178,7 @@ class ChatServing(TemplateServing):
         base = {"id": request_id, "object": "chat.completion.chunk", "model": model}
         tracker, mode = DeltaTracker(), inputs.mode
         parsers = {i: self.reply_parser(inputs) for i in range(req.n)}
+        call_ids: dict[int, str] = {}  # each choice's first call
         reasoning_tokens: dict[int, int] = {}
         echo = self._echo(req)
         sent_extras = False
@@ -184,6 +197,8 @@ class ChatServing(TemplateServing):
                     continue
                 finish = _finish(c) if d.finish_reason is not None else None
                 parts = parsers[d.index].feed(d.text, finish)
+                if (call_id := first_call(parts)) is not None:
+                    call_ids.setdefault(d.index, call_id)
                 deltas = _message_deltas(parts, echo if d.first and mode is ToolMode.NONE
                                          else "") or [{}]  # fmt: skip
                 lps = (
@@ -196,6 +211,7 @@ class ChatServing(TemplateServing):
                     done = parts[-1]
                     assert isinstance(done, Finish)
                     reason = _finish_reason(d.finish_reason, mode, done.called)
+                    self.tool_calls.paused(inputs, c, call_ids.get(d.index))
                     reasoning_tokens[d.index] = self.reasoning_tokens(
                         c.token_ids, "" if done.reasoned else None)  # fmt: skip
                 for k, delta in enumerate(deltas):  # logprobs first, the finish reason last

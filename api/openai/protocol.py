@@ -97,6 +97,8 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None  # checked in field_support, as the template's switch
+    prompt_cache_key: str | None = None  # api.openai.prompt_cache
+    prompt_cache_retention: str | None = None
 
     def tool_request(self) -> ToolRequest:
         """The request's tools and tool choice (a 400 for a shape OpenAI does not define)."""
@@ -132,6 +134,14 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     add_special_tokens: bool = True
+
+
+class ReleaseRequest(Lenient):
+    """``POST /v1/kv/release`` (prefixserve's): ``id`` of a response or completion, or None for
+    the ``cache_control`` prefixes of the caller's ``cache_salt``."""
+
+    id: str | None = None
+    cache_salt: str | None = None
 
 
 class TokenizeRequest(Lenient):

@@ -177,5 +177,10 @@ class Reply:
         return self
 
 
+def first_call(parts: list[Part]) -> str | None:
+    """The id of the first call that starts in ``parts`` (None if none does)."""
+    return next((p.call_id for p in parts if isinstance(p, ToolCallDelta) and p.call_id), None)
+
+
 def fold(parts: list[Part]) -> Reply:
     return Reply().add(parts)

@@ -41,6 +41,7 @@ class ResponsesRequest(Lenient):
     previous_response_id: str | None = None
     include: list[str] | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None  # api.openai.prompt_cache
     truncation: Literal["auto", "disabled"] | None = None
     user: str | None = None
     safety_identifier: str | None = None
@@ -72,10 +73,6 @@ _REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_tool_calls": (_unset, "max_tool_calls is not supported"),
     "context_management": (_unset, "context management (compaction) is not supported"),
     "moderation": (_unset, "moderation is not supported"),
-    "prompt_cache_retention": (
-        lambda v: v in (None, "in_memory"),
-        "the prefix cache lives in memory only",
-    ),
     "prompt_cache_options": (_unset, "the prefix cache is always implicit"),
     "service_tier": (lambda v: v in (None, "auto", "default"), "there is one service tier"),
 }

@@ -30,6 +30,7 @@ from prefixserve.api.frontend.protocol import APIError, random_id
 from prefixserve.api.frontend.reasoning_effort import effort_kwargs
 from prefixserve.api.frontend.stream import event_stream
 from prefixserve.api.frontend.tenancy import Tenant, tenant_of
+from prefixserve.api.openai.prompt_cache import retention_of, retention_session
 from prefixserve.api.openai.protocol import _SamplingFields
 from prefixserve.api.openai.responses.continuation import (
     Prompt,
@@ -119,9 +120,12 @@ class ResponsesServing(TemplateServing):
         body = {**chain[-1].response, "output": outputs}
         return StoredResponse(body, items, outputs, text, ids, out_ids)
 
-    def delete(self, tenant: Tenant, response_id: str, cache_salt: str | None) -> dict:
-        if not self.store.delete(response_id, tenant.namespace(cache_salt)):
+    async def delete(self, tenant: Tenant, response_id: str, cache_salt: str | None) -> dict:
+        """Delete a stored response and release what it retained (``prompt_cache_retention``)."""
+        namespace = tenant.namespace(cache_salt)
+        if not self.store.delete(response_id, namespace):
             raise APIError(f"Response with id '{response_id}' not found.", 404)
+        await self.engine.release_kv(retention_session(namespace, response_id))
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     def input_items(self, entry: StoredResponse, limit: int, order: str, after: str | None) -> dict:
@@ -188,8 +192,12 @@ class ResponsesServing(TemplateServing):
         if not req.generate:
             inputs.params.max_tokens = 1
         response_id = random_id("resp_")
+        inputs.params.kv_retention = retention_of(req.prompt_cache_retention, retention_session(
+            tenant.namespace(req.cache_salt), response_id))  # fmt: skip
         streams = await self.add_all(response_id, [prompt.token_ids], [inputs.params], "input",
                                      inputs.grammar_source)  # fmt: skip
+        self.tool_calls.resumed(inputs, [i.get("call_id") for i in new_items if i.get("type") in (
+            "function_call_output", "custom_tool_call_output")])  # fmt: skip
         truncated = len(items) < len(history) + len(new_items)
         self.truncations += truncated
         self.tools_not_offered.update(offered.not_offered)

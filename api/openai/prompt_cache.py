@@ -1,0 +1,42 @@
+"""OpenAI's prompt-cache fields, on chat completions and Responses.
+
+``prompt_cache_retention``::
+
+    None, "in_memory"   the prefix cache as always: every full block cached, least recently used
+                        evicted first (to the KV tiers where they are configured)
+    "24h"               the prompt's and the reply's full blocks are retained for 24 hours (capped
+                        by --kv-retention-max-ttl, within the retention budget) and written
+                        through to the disk tier at once (--kv-cache-dir), so they outlive
+                        eviction and a restart; session ``<namespace>/<response id>``, which
+                        deleting the stored response releases
+    anything else       a 400 naming the field
+
+``prompt_cache_key`` is a routing hint (``scale_out``): requests with one key go to one replica.
+It is never part of a block hash, so sessions with different keys keep sharing their common
+prefix (a system prompt, say).
+"""
+
+from __future__ import annotations
+
+from prefixserve.api.frontend.protocol import APIError
+from prefixserve.kv.retention import KVRetention
+
+RETENTIONS = ("in_memory", "24h")
+DAY_S = 24 * 3600.0
+
+
+def retention_of(value: str | None, session: str) -> tuple[KVRetention, ...]:
+    """The engine retention ``prompt_cache_retention`` asks for (a 400 on an unknown value)."""
+    if value not in (None, *RETENTIONS):
+        raise APIError(
+            f"prompt_cache_retention: must be one of {list(RETENTIONS)}, got {value!r}",
+            400,
+            "prompt_cache_retention",
+        )
+    if value != "24h":
+        return ()
+    return (KVRetention(ttl_s=DAY_S, include_output=True, write_through=True, session=session),)
+
+
+def retention_session(namespace: str, response_id: str) -> str:
+    return f"{namespace}/{response_id}"
