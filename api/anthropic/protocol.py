@@ -66,9 +66,9 @@ class MessagesRequest(CountTokensRequest):
 
 
 class MessagesUsage(BaseModel):
-    """The prompt split three ways (see README, "Messages API"): ``cache_read_input_tokens``
-    came from the prefix cache, ``cache_creation_input_tokens`` filled new full (cacheable)
-    blocks, ``input_tokens`` is the rest (the partial last block)."""
+    """The prompt split three ways (docs/anthropic.md, "Usage in cache terms"):
+    ``cache_read_input_tokens`` came from the prefix cache, ``cache_creation_input_tokens`` filled
+    new full (cacheable) blocks, ``input_tokens`` is the rest (the partial last block)."""
 
     input_tokens: int = 0
     output_tokens: int = 0
