@@ -4,7 +4,7 @@
 
 As a script it collects every ``*.json`` result that holds a ``systems`` section into one markdown
 table (workload, system, requests/s, output tokens/s, TTFT p50/p99, TPOT p50, hit rate vs optimum)
-for the README, printed and written to ``--out`` (default ``results/README_table.md``).
+for docs/benchmarks.md, printed and written to ``--out`` (default ``results/README_table.md``).
 """
 
 from __future__ import annotations

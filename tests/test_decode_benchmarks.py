@@ -1,6 +1,6 @@
 """Smoke tests of the decode benchmark's modes (``benchmarks/decode``) on a tiny random
 checkpoint: they run end to end and report what they claim to (no speed is checked; the figures
-live in the README)."""
+live in docs/cpu-decode.md and docs/benchmarks.md)."""
 
 from __future__ import annotations
 

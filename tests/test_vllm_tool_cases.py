@@ -1,11 +1,11 @@
 """vLLM's structured-output and tool-calling test cases, restated against a live server, and the
-field tables of the README sent field by field.
+field tables of docs/api-fields.md sent field by field.
 
 Restated (the cases, not vLLM's code): guided json/regex/choice/grammar and response_format;
 tool_choice required and named, with and without parameters; max_tokens cutting a forced call;
 parallel calls streamed and not; prefix caching with tools; request validation. Differences from
-vLLM that the README documents: forced calls use the template's hermes form (not a JSON array),
-and a streamed forced call comes whole (name, then all its arguments) once complete.
+vLLM that docs/tool-calling.md documents: forced calls use the template's hermes form (not a
+JSON array), and a streamed forced call comes whole (name, then all its arguments) once complete.
 One server (built-in random-weight model, ``--tool-call-parser hermes``), seeded sampling.
 """
 
@@ -369,7 +369,7 @@ def test_beam_search_honours_skip_special_tokens(server, skip, texts):
     assert out["choices"][0]["text"] in texts  # the EOS that ended the beam, or not
 
 
-# ---- every field of the README's tables is sent ------------------------------------------------
+# ---- every field of docs/api-fields.md's table and list is sent ---------------------------------
 
 REFUSING = {
     "audio": {"voice": "alloy", "format": "wav"},
@@ -415,7 +415,8 @@ def _ids(out: dict) -> list[int]:
 
 
 def test_honoured_fields_change_the_result(server):
-    """One request per row of the README's API-fields table, each checked for its effect."""
+    """One request per row of the API-fields table (docs/api-fields.md), each checked for its
+    effect."""
     greedy = {"max_tokens": 6, "temperature": 0, "return_token_ids": True}
     base = chat(server, **greedy)
     base_ids, prompt_ids = _ids(base), base["prompt_token_ids"]

@@ -30,7 +30,7 @@ _COMMON: dict[str, tuple[Callable[[Any], bool], str]] = {
         lambda v: v in (None, "auto", "xgrammar"),
         "the only structured-output backend is xgrammar",
     ),
-    "guided_whitespace_pattern": (_unset, "JSON whitespace is fixed (see README)"),
+    "guided_whitespace_pattern": (_unset, "JSON whitespace is fixed (see docs/tool-calling.md)"),
     "priority": (lambda v: v in (None, 0), "priority scheduling is not supported"),
     "kv_transfer_params": (_unset, "disaggregated prefill is not supported"),
     "vllm_xargs": (_unset, "vllm_xargs is not supported"),
@@ -76,5 +76,5 @@ def check_supported(req: Any, endpoint: str) -> None:
 
 
 def refused_fields() -> list[str]:
-    """Every field this module refuses, for the README and tests."""
+    """Every field this module refuses, for docs/api-fields.md and tests."""
     return sorted({*_COMMON, *_CHAT, *_COMPLETIONS, "best_of"})

@@ -103,7 +103,7 @@ def check_supported(req: ResponsesRequest) -> None:
 
 
 def refused_fields() -> list[str]:
-    """Every field refused (at some value), for the README and tests."""
+    """Every field refused (at some value), for docs/responses-api.md and tests."""
     return sorted({*_REFUSED, "include"})
 
 
