@@ -47,7 +47,7 @@ from prefixserve.models.moe import SparseMoeBlock
 if TYPE_CHECKING:
     from prefixserve.attention.backend import AttentionBackend
     from prefixserve.config import EngineConfig
-    from prefixserve.models.llama import Keep, LlamaForCausalLM
+    from prefixserve.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -124,32 +124,13 @@ class CompiledStepRunner(DecodeReplay):
             if rows > 1:  # the multi-row graph: a symbolic batch dimension
                 for t in (ids, positions):
                     torch._dynamo.mark_dynamic(t, 0, min=2, max=self.largest)
-            self._call(ids, positions, kv_caches, md)
+            self.replay(ids, positions, kv_caches, md)
             label = "1" if rows == 1 else f"2-{rows}"
             self.capture_seconds[label] = time.perf_counter() - start
             logger.info("compiled the decode step for %s rows in %.1f s", label,
                         self.capture_seconds[label])  # fmt: skip
 
-    def _call(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: torch.Tensor,
-        md: AttentionMetadata,
-    ) -> torch.Tensor:
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+               md: AttentionMetadata) -> torch.Tensor:  # fmt: skip
         with bind(StepContext(kv_caches, md, self.backend, input_ids.shape[0], self.moe)):
             return self._graph(input_ids, positions, kv_caches)
-
-    @torch.inference_mode()
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: torch.Tensor,
-        md: AttentionMetadata,
-        keep: Keep | None,
-    ) -> torch.Tensor | None:
-        if not self.replays(md, keep):
-            return None
-        self.replayed_steps += 1
-        return self._call(input_ids, positions, kv_caches, md)

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from prefixserve.attention.backend import AttentionBackend
     from prefixserve.attention.triton_backend import TritonAttentionBackend
     from prefixserve.config import EngineConfig
-    from prefixserve.models.llama import Keep, LlamaForCausalLM
+    from prefixserve.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -177,24 +177,18 @@ class CUDAGraphRunner(DecodeReplay):
                 used / 2**20,
             )
 
-    @torch.inference_mode()
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: torch.Tensor,
-        md: AttentionMetadata,
-        keep: Keep | None,
-    ) -> torch.Tensor | None:
-        """The step's final hidden states ``[n, hidden]`` from a graph (a view of ``hidden``,
-        valid until the next step), or None when the step is not one that replays."""
+    def fits(self, md: AttentionMetadata, kv_caches: torch.Tensor) -> bool:
+        """The block tables fit the captured ones, and the step is not a cascade."""
+        return (
+            md.block_tables.shape[1] <= self.metadata.block_tables.shape[1]
+            and self.backend.plan(md, kv_caches[0]).cascade is None
+        )
+
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+               md: AttentionMetadata) -> torch.Tensor:  # fmt: skip
+        """The final hidden states from a graph (a view of ``hidden``, valid until the next
+        step)."""
         n = md.num_seqs
-        if (
-            not self.replays(md, keep)
-            or md.block_tables.shape[1] > self.metadata.block_tables.shape[1]
-            or self.backend.plan(md, kv_caches[0]).cascade is not None
-        ):
-            return None
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
@@ -205,5 +199,4 @@ class CUDAGraphRunner(DecodeReplay):
         static.seq_lens[n:bs].zero_()
         static.block_tables[:n, : md.block_tables.shape[1]].copy_(md.block_tables)
         self.graphs[bs]()
-        self.replayed_steps += 1
         return self.hidden[:n]

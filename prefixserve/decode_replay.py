@@ -48,16 +48,20 @@ class DecodeReplay(ABC):
         return self.sizes[-1]
 
     def replays(self, md: AttentionMetadata, keep: Keep | None) -> bool:
-        """The steps the runner replays: at most ``max_query_len`` tokens a sequence, every row
-        sampling, at most ``largest`` rows."""
+        """The steps every runner replays: at most ``max_query_len`` tokens a sequence, every
+        row sampling, at most ``largest`` rows."""
         rows = sum(md.query_lens_cpu)
         return keep is None and md.max_query_len <= self.max_query_len and 0 < rows <= self.largest
+
+    def fits(self, md: AttentionMetadata, kv_caches: torch.Tensor) -> bool:
+        """The runner's own conditions on a step that ``replays`` (none here)."""
+        return True
 
     @abstractmethod
     def capture(self, kv_caches: torch.Tensor) -> None:
         """Capture every bucket over ``kv_caches`` (the engine's whole cache, never reallocated)."""
 
-    @abstractmethod
+    @torch.inference_mode()
     def run(
         self,
         input_ids: torch.Tensor,
@@ -68,6 +72,16 @@ class DecodeReplay(ABC):
     ) -> torch.Tensor | None:
         """The step's final hidden states ``[n, hidden]``, or None when the step does not replay
         (the caller then runs the forward eagerly)."""
+        if not (self.replays(md, keep) and self.fits(md, kv_caches)):
+            return None
+        hidden = self.replay(input_ids, positions, kv_caches, md)
+        self.replayed_steps += 1
+        return hidden
+
+    @abstractmethod
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+               md: AttentionMetadata) -> torch.Tensor:  # fmt: skip
+        """Run a step that replays from the capture: its final hidden states."""
 
     def profile(self) -> int:
         """Bytes of device memory the captures need, left out of the KV budget (0: none)."""

@@ -174,13 +174,8 @@ class Attention(nn.Module):
     ``AttentionMetadata``, or ``IN_GRAPH`` inside a compiled decode step, where attention is one
     opaque op (``prefixserve.attention.in_graph``)."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        rotary: RotaryEmbedding,
-        backend: AttentionBackend,
-        layer_idx: int,
-    ):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 layer_idx: int):  # fmt: skip
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -260,13 +255,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(
-        self,
-        config: ModelConfig,
-        rotary: RotaryEmbedding,
-        backend: AttentionBackend,
-        layer_idx: int,
-    ):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 layer_idx: int):  # fmt: skip
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, rotary, backend, layer_idx)
