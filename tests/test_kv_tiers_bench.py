@@ -1,5 +1,5 @@
 """Smoke test of benchmarks/kv_tiers.py: the whole run (tiers off, host, disk, shared, optimum,
-restart, two replicas) on a tiny checkpoint with ``--quick``; no speed is checked, but every
+restart, two replicas, a flood with and without retention) on a tiny checkpoint with ``--quick``; no speed is checked, but every
 system must give the tokens the engine without tiers gives."""
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ def test_kv_tiers_benchmark_runs_and_is_exact(tmp_path):
     assert results["restart"]["share_of_hits_after_restart"] >= 0.95
     replicas = results["replicas"]
     assert replicas["round_robin_shared"]["hit_rate"] > replicas["round_robin"]["hit_rate"]
+    flood = results["flood"]
+    assert flood["retained"]["wrong_turns"] == 0
+    assert flood["retained"]["hit_rate"] > flood["without"]["hit_rate"]
 
 
 @pytest.mark.slow
