@@ -262,9 +262,11 @@ class AsyncEngine:
         prompt: PreparedRequest | str | list[int],
         params: SamplingParams | BeamSearchParams | None = None,
         timeout: float | None = None,
+        routing_key: str | None = None,
     ) -> RequestStream:
         """Queue a request (prepared, or a prompt with its ``params``); returns its stream once
-        the engine accepted it, else raises its error.
+        the engine accepted it, else raises its error. ``routing_key`` matters only where there
+        are replicas to choose from (``RemoteEngine``).
 
         With ``timeout`` (seconds from now) the stream raises ``RequestTimeoutError`` past it.
         """

@@ -51,10 +51,12 @@ class EngineClient(Protocol):
         queue."""
 
     async def add(
-        self, request_id: str, prompt: PreparedRequest, *, timeout: float | None = None
+        self, request_id: str, prompt: PreparedRequest, *, timeout: float | None = None,
+        routing_key: str | None = None,
     ) -> RequestStream:
         """Queue a prepared request; its stream once accepted (``timeout``: seconds it may
-        take in all, then a 408)."""
+        take in all, then a 408; ``routing_key``: an affinity hint for the replica router,
+        OpenAI's ``prompt_cache_key``)."""
 
     def abort(self, request_id: str) -> None:
         """End a request now; its blocks are freed."""

@@ -180,11 +180,12 @@ class BaseServing:
         params_list: list,
         prompt_param: str,
         grammar_param: str | None = None,
+        routing_key: str | None = None,
     ) -> list[RequestStream]:
         """Prepare every prompt (tokens, validation, grammar compiled once), then add one engine
         request per prompt. A refusal is a 400 before anything is queued (the engine's "prompt"
         parameter is reported as ``prompt_param``, a grammar that cannot compile as
-        ``grammar_param``); a later one aborts those added.
+        ``grammar_param``); a later one aborts those added. ``routing_key``: ``EngineClient.add``.
 
         Raises ``EngineOverloadedError`` (503) before adding anything when the queue is full.
         """
@@ -202,11 +203,11 @@ class BaseServing:
         streams: list[RequestStream] = []
         try:
             for i, request in enumerate(prepared):
-                streams.append(
-                    await self.engine.add(
-                        f"{request_id}-{i}", request, timeout=self.request_timeout
-                    )
-                )
+                stream = await self.engine.add(
+                    f"{request_id}-{i}", request, timeout=self.request_timeout,
+                    routing_key=routing_key,
+                )  # fmt: skip
+                streams.append(stream)
         except (InvalidArgumentError, CacheCapacityError) as exc:
             self.abort_all(streams)
             param = getattr(exc, "param", None)

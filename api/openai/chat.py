@@ -28,7 +28,7 @@ from prefixserve.api.frontend.structured_outputs import structured_outputs_of
 from prefixserve.api.frontend.tenancy import tenant_of
 from prefixserve.api.openai.chunks import chunk_stream, usage_of
 from prefixserve.api.openai.field_support import check_supported
-from prefixserve.api.openai.prompt_cache import retention_of, retention_session
+from prefixserve.api.openai.prompt_cache import retention_of, retention_session, routing_key
 from prefixserve.api.openai.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -90,7 +90,8 @@ class ChatServing(TemplateServing):
         if retention and not req.use_beam_search:
             inputs.params.kv_retention = retention
         streams = await self.add_all(request_id, [prompt], [inputs.params], "messages",
-                                     inputs.grammar_source)  # fmt: skip
+                                     inputs.grammar_source,
+                                     routing_key(namespace, req.prompt_cache_key))  # fmt: skip
         self.tool_calls.resumed(inputs, [m.get("tool_call_id") for m in req.messages
                                          if m.get("role") == "tool"])  # fmt: skip
         if req.stream:

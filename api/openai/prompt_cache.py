@@ -11,9 +11,10 @@
                         deleting the stored response releases
     anything else       a 400 naming the field
 
-``prompt_cache_key`` is a routing hint (``scale_out``): requests with one key go to one replica.
-It is never part of a block hash, so sessions with different keys keep sharing their common
-prefix (a system prompt, say).
+``prompt_cache_key`` is a routing hint (``scale_out.router.with_affinity``, scoped to the
+tenant): where the prompt's cached blocks do not decide, a request goes to the replica its key's
+earlier requests went to. It is never part of a block hash, so sessions with different keys keep
+sharing their common prefix (a system prompt, say).
 """
 
 from __future__ import annotations
@@ -40,3 +41,7 @@ def retention_of(value: str | None, session: str) -> tuple[KVRetention, ...]:
 
 def retention_session(namespace: str, response_id: str) -> str:
     return f"{namespace}/{response_id}"
+
+
+def routing_key(namespace: str, prompt_cache_key: str | None) -> str | None:
+    return None if prompt_cache_key is None else f"{namespace}/{prompt_cache_key}"

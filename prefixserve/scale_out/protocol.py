@@ -37,6 +37,7 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams | BeamSearchParams
+    routing_key: str | None = None  # the router's affinity key (``router.with_affinity``)
 
     @property
     def prompt(self) -> str:

@@ -118,6 +118,7 @@ class PrefixAwareRequestRouter(ReportingRouter, RequestRouter):
             len(prompt),
             request.num_output_tokens,
             request.uses_prefix_cache,
+            request.routing_key,
         )
         return [[by_key[c.replica]] for c in decision.ranking]
 

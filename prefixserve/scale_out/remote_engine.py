@@ -134,10 +134,12 @@ class RemoteEngine:
         prompt: PreparedRequest | str | Sequence[int],
         params: SamplingParams | BeamSearchParams | None = None,
         timeout: float | None = None,
+        routing_key: str | None = None,
     ) -> RequestStream:
         stream = RequestStream.create(request_id, timeout)
         prepared = prompt if isinstance(prompt, PreparedRequest) else self.prepare(prompt, params)
-        request = EngineRequest(request_id, list(prepared.prompt_token_ids), prepared.params)
+        request = EngineRequest(request_id, list(prepared.prompt_token_ids), prepared.params,
+                                routing_key)  # fmt: skip
         pump = asyncio.create_task(self._pump(request, stream))
         self._live[request_id] = (pump, stream)
         pump.add_done_callback(lambda _: self._live.pop(request_id, None))

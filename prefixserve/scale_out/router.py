@@ -32,13 +32,20 @@ Decision rule (``choose``), for the candidate replicas of one request:
   queued work and the new request share steps, while a prefix recomputed elsewhere costs its
   whole prefill and evicts another prefix there. If the best score belongs to a replica that
   holds nothing of the prompt, the reason is ``load``.
+
+Affinity (``route(..., affinity_key=)``: OpenAI's ``prompt_cache_key``, scoped to the tenant): a
+hint, never a block hash. Unless the loads decided (``load``), the replica the key last went to
+goes first when it would hit as many tokens as the best candidate (``affinity``): a cold prompt,
+or a tie on what is cached (every replica holds the shared system prompt), goes where the key's
+earlier requests went; a replica that holds more of the prompt still wins. The router keeps the
+last ``MAX_AFFINITY_KEYS`` keys.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -54,12 +61,13 @@ from prefixserve.kv_events import (
     external_block_hash,
 )
 
-PREFIX, LOAD, COLD = "prefix", "load", "cold"
+PREFIX, LOAD, COLD, AFFINITY = "prefix", "load", "cold", "affinity"
+MAX_AFFINITY_KEYS = 65536
 MEDIUM_WEIGHTS = {MEDIUM_GPU: 1.0, "CPU_TIER": 0.9, "DISK": 0.6, "SHARED": 0.4}
 """What a held block saves, by the medium holding it: loading from host memory costs little,
 from disk or a server more (measured per block by the engine: ``kv_tiers`` in its stats)."""
 SHARED = "SHARED"
-REASONS = (PREFIX, LOAD, COLD)
+REASONS = (PREFIX, LOAD, COLD, AFFINITY)
 ROUTERS = ("prefix", "pow2", "ray-prefix")
 """``prefix``: this module's rule; ``pow2``: Ray's power-of-two choices; ``ray-prefix``: Ray's
 ``PrefixCacheAffinityRouter`` (text prefixes it routed, no feedback from the engines)."""
@@ -225,6 +233,18 @@ class Decision:
     reason: str
 
 
+def with_affinity(decision: Decision, replica: str | None, config: RouterConfig) -> Decision:
+    """``decision`` with ``replica`` first where the affinity rule (module docstring) says so."""
+    ranking = decision.ranking
+    loads = [c.load_tokens for c in ranking]
+    if replica is None or max(loads) - min(loads) > config.imbalance_threshold:
+        return decision
+    chosen = next((c for c in ranking if c.replica == replica), None)
+    if chosen is None or chosen is ranking[0] or chosen.hit_tokens < ranking[0].hit_tokens:
+        return decision
+    return Decision((chosen, *(c for c in ranking if c is not chosen)), AFFINITY)
+
+
 def choose(candidates: Sequence[Candidate], config: RouterConfig) -> Decision:
     """Rank ``candidates`` (at least one) by the rule in the module docstring."""
     loads = [c.load_tokens for c in candidates]
@@ -285,6 +305,7 @@ class PrefixRouterState:
         self._mirrors: dict[str, HashMirror] = {}
         self._counters: dict[str, ReplicaCounters] = {}
         self._in_flight: dict[str, _InFlight] = {}
+        self._affinity: OrderedDict[str, str] = OrderedDict()  # key -> replica it last went to
 
     def mirror(self, replica: str) -> HashMirror:
         """The replica's mirror, created empty on first use."""
@@ -334,18 +355,26 @@ class PrefixRouterState:
         num_prompt_tokens: int,
         num_output_tokens: int = 0,
         uses_prefix_cache: bool = True,
+        affinity_key: str | None = None,
     ) -> Decision:
         """Rank ``replicas`` (at least one) and reserve the first for the request. Deciding
         again for the same request (its first choice was full) replaces its reservation.
         A request that does not read the prefix cache (``uses_prefix_cache`` False: it scores
         its prompt) hits nowhere, but its blocks are still predicted where it goes (the engine
-        caches them once computed)."""
+        caches them once computed). ``affinity_key``: the affinity rule (module docstring)."""
         self.on_completed(request_id)
         self._release_stale()
         candidates = self.candidates(replicas, hashes, block_size)
         if not uses_prefix_cache:
             candidates = [replace(c, hit_tokens=0) for c in candidates]
         decision = choose(candidates, self.config)
+        if affinity_key is not None:
+            with self._lock:
+                decision = with_affinity(decision, self._affinity.get(affinity_key), self.config)
+                self._affinity[affinity_key] = decision.ranking[0].replica
+                self._affinity.move_to_end(affinity_key)
+                if len(self._affinity) > MAX_AFFINITY_KEYS:
+                    self._affinity.popitem(last=False)
         first = decision.ranking[0]
         entry = _InFlight(decision, hashes, num_prompt_tokens, num_output_tokens, first.replica,
                           0, self._clock())  # fmt: skip

@@ -30,7 +30,7 @@ from prefixserve.api.frontend.protocol import APIError, random_id
 from prefixserve.api.frontend.reasoning_effort import effort_kwargs
 from prefixserve.api.frontend.stream import event_stream
 from prefixserve.api.frontend.tenancy import Tenant, tenant_of
-from prefixserve.api.openai.prompt_cache import retention_of, retention_session
+from prefixserve.api.openai.prompt_cache import retention_of, retention_session, routing_key
 from prefixserve.api.openai.protocol import _SamplingFields
 from prefixserve.api.openai.responses.continuation import (
     Prompt,
@@ -194,8 +194,9 @@ class ResponsesServing(TemplateServing):
         response_id = random_id("resp_")
         inputs.params.kv_retention = retention_of(req.prompt_cache_retention, retention_session(
             tenant.namespace(req.cache_salt), response_id))  # fmt: skip
-        streams = await self.add_all(response_id, [prompt.token_ids], [inputs.params], "input",
-                                     inputs.grammar_source)  # fmt: skip
+        streams = await self.add_all(
+            response_id, [prompt.token_ids], [inputs.params], "input", inputs.grammar_source,
+            routing_key(tenant.namespace(req.cache_salt), req.prompt_cache_key))  # fmt: skip
         self.tool_calls.resumed(inputs, [i.get("call_id") for i in new_items if i.get("type") in (
             "function_call_output", "custom_tool_call_output")])  # fmt: skip
         truncated = len(items) < len(history) + len(new_items)
