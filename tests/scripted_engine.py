@@ -44,6 +44,8 @@ class ScriptedEngine:
     requests: list[tuple[list[int], Any]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     overloaded: bool = False  # admit refuses with a 503
+    retained: list[tuple[list[int], Any, str | None]] = field(default_factory=list)
+    resumed: list[str] = field(default_factory=list)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -61,6 +63,17 @@ class ScriptedEngine:
     def admit(self, count: int) -> None:
         if self.overloaded:
             raise EngineOverloadedError("the queue is full")
+
+    async def retain_kv(self, token_ids: list[int], retention: Any, cache_salt: str | None) -> int:
+        self.retained.append((list(token_ids), retention, cache_salt))
+        return 0
+
+    async def release_kv(self, session: str) -> int:
+        return 0
+
+    async def resume_kv(self, sessions: list[str]) -> int:
+        self.resumed += sessions
+        return 0
 
     async def add(self, request_id: str, prepared: Any, *, timeout: float | None = None):
         self.requests.append((prepared.prompt_token_ids, prepared.params))

@@ -121,6 +121,9 @@ def test_every_protocol_reads_the_same_reply_the_same_way(stream):
         blocks = messages(client, stream, tools=MESSAGES_TOOLS)
         assert [(b["type"], b.get("text", b.get("input"))) for b in blocks] == [
             ("text", "Sure.\n"), ("tool_use", {"a": 1}), ("tool_use", {})]  # fmt: skip
+    # each protocol's reply ended in a call: each paused its session, keyed by its first call
+    sessions = [r.session for _, r, _ in engine.retained]
+    assert len(sessions) == 3 and all(s.startswith("/call_") for s in sessions)
 
 
 def test_bug3_reasoning_items_with_string_content_and_at_the_end():

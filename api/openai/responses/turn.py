@@ -85,6 +85,10 @@ class ResponseTurn:
         else:
             extra["completed_at"] = int(time.time())
         generated = c.token_ids if self.req.generate else []
+        if self.req.generate:
+            call = next((i["call_id"] for i in output.items
+                         if i.get("type") in ("function_call", "custom_tool_call")), None)  # fmt: skip
+            self.serving.tool_calls.paused(self.inputs, c, call)
         reasoning = self.serving.reasoning_tokens(generated, output.reasoning)
         body = self.body(status, output.items, _usage(final, len(generated), reasoning), **extra)
         namespace = self.tenant.namespace(self.req.cache_salt) if self.req.store else (
