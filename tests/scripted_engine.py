@@ -46,6 +46,7 @@ class ScriptedEngine:
     overloaded: bool = False  # admit refuses with a 503
     retained: list[tuple[list[int], Any, str | None]] = field(default_factory=list)
     resumed: list[str] = field(default_factory=list)
+    routing_keys: list[str | None] = field(default_factory=list)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -75,8 +76,10 @@ class ScriptedEngine:
         self.resumed += sessions
         return 0
 
-    async def add(self, request_id: str, prepared: Any, *, timeout: float | None = None):
+    async def add(self, request_id: str, prepared: Any, *, timeout: float | None = None,
+                  routing_key: str | None = None):  # fmt: skip
         self.requests.append((prepared.prompt_token_ids, prepared.params))
+        self.routing_keys.append(routing_key)
         reply = self.replies.pop(0) if self.replies else Reply(["ok"])
         reply = reply if isinstance(reply, Reply) else Reply(reply)
         stream = RequestStream.create(request_id)

@@ -188,3 +188,16 @@ def test_bug5_refused_requests_count_no_continuation_or_truncation():
         r = client.post("/v1/responses", json={"model": "m", "input": "more",
                                                "previous_response_id": first["id"]})  # fmt: skip
         assert r.status_code == 200 and serving.continuations["token_exact"] == 1
+
+
+def test_prompt_cache_key_travels_as_the_tenants_routing_key():
+    engine = ScriptedEngine()
+    with scripted_client(engine) as client:
+        msgs = [{"role": "user", "content": "hi"}]
+        for body in ({}, {"prompt_cache_key": "p"}, {"prompt_cache_key": "p", "cache_salt": "s"}):
+            client.post("/v1/chat/completions", json={"model": "m", "messages": msgs, **body})
+            client.post("/v1/responses", json={"model": "m", "input": "hi", **body})
+    none, none_r, key, key_r, salted, salted_r = engine.routing_keys
+    assert none is None and none_r is None
+    assert key == key_r and key.endswith("/p")
+    assert salted == salted_r and salted.endswith("/p") and salted != key  # another namespace

@@ -30,6 +30,7 @@ from prefixserve.sampling_params import SamplingParams
 from prefixserve.scale_out.event_follower import EventFollower
 from prefixserve.scale_out.protocol import EngineRequest, KVEventsEndpoint, ReplicaReport
 from prefixserve.scale_out.router import (
+    AFFINITY,
     COLD,
     LOAD,
     PREFIX,
@@ -128,7 +129,7 @@ def test_a_burst_of_one_new_prefix_lands_on_one_replica() -> None:
     for i in range(8):
         state.on_routed(f"r{i}", replica)
     counts = state.snapshot()[replica]["requests"]
-    assert counts == {PREFIX: 7, LOAD: 0, COLD: 1}
+    assert counts == {PREFIX: 7, LOAD: 0, COLD: 1, AFFINITY: 0}
 
 
 def test_distinct_new_prefixes_spread_even_when_decided_together() -> None:
@@ -348,10 +349,49 @@ def test_a_follower_rebuilds_a_publishers_hash_set_including_what_came_before_it
     assert not follower._thread.is_alive()
 
 
+def test_an_affinity_key_decides_cold_prompts_and_ties_but_not_a_better_hit() -> None:
+    state = PrefixRouterState()
+
+    def route(rid: str, tokens: list[int], key: str | None, order=("a", "b")) -> tuple[str, str]:
+        decision = state.route(rid, list(order), request_block_hashes(tokens, BS), BS,
+                               len(tokens), affinity_key=key)  # fmt: skip
+        state.on_routed(rid, decision.ranking[0].replica)
+        state.on_completed(rid)
+        return decision.ranking[0].replica, decision.reason
+
+    first, _ = route("r0", [1] * 64, "k")
+    # cold: another new prefix would go to the emptier replica; the key keeps it on the first
+    assert route("r1", [2] * 64, "k") == (first, AFFINITY)
+    assert route("r2", [3] * 64, None)[0] != first  # without the key: the emptier one
+    # a tie on what is cached: both hold the shared prefix
+    shared = [9] * 66  # 16 full blocks, and the suffixes part in the 17th
+    other = "b" if first == "a" else "a"
+    state.mirror(other).apply([stored(request_block_hashes(shared, BS))])
+    state.mirror(first).apply([stored(request_block_hashes(shared, BS))])
+    ties = (other, first)  # the tie would go to the one listed first
+    assert route("r3", shared + [4] * 16, None, ties) == (other, PREFIX)
+    assert route("r4", shared + [6] * 16, "k", ties) == (first, AFFINITY)
+    # a replica that holds more of the prompt still wins
+    state.mirror(other).apply([stored(request_block_hashes(shared + [5] * 64, BS))])
+    assert route("r5", shared + [5] * 64, "k") == (other, PREFIX)
+
+
+def test_the_affinity_yields_to_a_load_imbalance() -> None:
+    state = PrefixRouterState(RouterConfig(imbalance_threshold=100))
+    state.route("r0", ["a", "b"], request_block_hashes([1] * 64, 16), 16, 64, affinity_key="k")
+    state.on_routed("r0", "a")  # r0 still running on a: 64 tokens of load
+    state.route("r1", ["a", "b"], request_block_hashes([2] * 500, 16), 16, 500)
+    state.on_routed("r1", "a")  # and a 500-token one: a is 564 tokens ahead of b
+    decision = state.route("r2", ["a", "b"], request_block_hashes([3] * 64, 16), 16, 64,
+                           affinity_key="k")  # fmt: skip
+    assert (decision.ranking[0].replica, decision.reason) == ("b", LOAD)
+
+
 def test_engine_requests_and_reports_survive_the_round_trip() -> None:
     request = EngineRequest("r", [72, 105, 0x1F600], SamplingParams(max_tokens=3, n=2))
     assert request.prompt == "Hi\U0001f600"  # one character per token, for text routers
-    assert request.num_output_tokens == 6
+    assert request.num_output_tokens == 6 and request.routing_key is None
+    assert EngineRequest("r", [1], SamplingParams(), "tenant/k").routing_key == "tenant/k"
     report = ReplicaReport("x", 1, "10.0.0.1", KVEventsEndpoint("tcp://a:1", None, 16), {"k": 1})
     assert ReplicaReport.from_dict(report.to_dict()) == report
     assert ReplicaReport.from_dict({}) is None
