@@ -132,6 +132,10 @@ async def test_prompt_cache_retention_on_chat_is_released_by_id():
         assert count > 0
         r = await client.post("/v1/kv/release", json={"id": completion["id"]})
         assert r.json()["released_blocks"] == count
+        beams = await client.post("/v1/chat/completions",
+                                  json={**body, "use_beam_search": True, "n": 2})  # fmt: skip
+        assert beams.status_code == 400
+        assert beams.json()["error"]["param"] == "prompt_cache_retention"
 
 
 TOOLS = weather_and_add_tools(ADD)

@@ -8,6 +8,8 @@ import json
 import pytest
 from scripted_engine import Reply, ScriptedEngine, scripted_client
 
+from prefixserve.api.frontend.protocol import APIError
+
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
          {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}]  # fmt: skip
 RESPONSES_TOOLS = [{"type": "function", "name": t["function"]["name"], "strict": False,
@@ -201,3 +203,15 @@ def test_prompt_cache_key_travels_as_the_tenants_routing_key():
     assert none is None and none_r is None
     assert key == key_r and key.endswith("/p")
     assert salted == salted_r and salted.endswith("/p") and salted != key  # another namespace
+
+
+def test_deleting_a_response_where_the_engine_cannot_release_still_deletes():
+    class NoRelease(ScriptedEngine):  # the scale-out ingress: release is a 501
+        async def release_kv(self, session: str) -> int:
+            raise APIError("not available with --replicas", 501)
+
+    with scripted_client(NoRelease()) as client:
+        r = client.post("/v1/responses", json={"model": "m", "input": "hi"}).json()
+        deleted = client.delete(f"/v1/responses/{r['id']}")
+        assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+        assert client.get(f"/v1/responses/{r['id']}").status_code == 404

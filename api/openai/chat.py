@@ -87,7 +87,10 @@ class ChatServing(TemplateServing):
         namespace = tenant_of(raw_request).namespace(req.cache_salt)
         retention = retention_of(req.prompt_cache_retention,
                                  retention_session(namespace, request_id))  # fmt: skip
-        if retention and not req.use_beam_search:
+        if retention and req.use_beam_search:
+            raise APIError("prompt_cache_retention: not supported with use_beam_search", 400,
+                           "prompt_cache_retention")  # fmt: skip
+        if retention:
             inputs.params.kv_retention = retention
         streams = await self.add_all(request_id, [prompt], [inputs.params], "messages",
                                      inputs.grammar_source,

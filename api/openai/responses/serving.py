@@ -18,6 +18,7 @@ the engine accepted the request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from array import array
 from collections import Counter
 
@@ -121,11 +122,13 @@ class ResponsesServing(TemplateServing):
         return StoredResponse(body, items, outputs, text, ids, out_ids)
 
     async def delete(self, tenant: Tenant, response_id: str, cache_salt: str | None) -> dict:
-        """Delete a stored response and release what it retained (``prompt_cache_retention``)."""
+        """Delete a stored response and release what it retained (``prompt_cache_retention``;
+        where the engine cannot release, across replicas, the retention runs out its TTL)."""
         namespace = tenant.namespace(cache_salt)
         if not self.store.delete(response_id, namespace):
             raise APIError(f"Response with id '{response_id}' not found.", 404)
-        await self.engine.release_kv(retention_session(namespace, response_id))
+        with contextlib.suppress(APIError):
+            await self.engine.release_kv(retention_session(namespace, response_id))
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     def input_items(self, entry: StoredResponse, limit: int, order: str, after: str | None) -> dict:
