@@ -25,15 +25,15 @@ def request(**fields) -> CountTokensRequest:
                                             **fields})  # fmt: skip
 
 
+CONTENT = [{"type": "text", "text": "a"}, {"type": "text", "text": "b", "cache_control": HOUR},
+           {"type": "text", "text": "c"}]  # fmt: skip
+
+
 def test_breakpoints_in_prompt_order_with_their_cuts():
     req = request(
         tools=[TOOL, {**TOOL, "name": "cat", "cache_control": HOUR}],
         system=[{"type": "text", "text": "be brief", "cache_control": EPHEMERAL}],
-        messages=[
-            {"role": "user", "content": [{"type": "text", "text": "a"},
-                                         {"type": "text", "text": "b", "cache_control": HOUR},
-                                         {"type": "text", "text": "c"}]},  # fmt: skip
-        ],
+        messages=[{"role": "user", "content": CONTENT}],
     )
     tool, system, message = breakpoints(req, drop_attribution=True)
     assert tool.ttl_s == 3600 and [t["function"]["name"] for t in tool.tools] == ["ls", "cat"]
@@ -56,11 +56,11 @@ def test_no_breakpoints_without_cache_control():
     assert breakpoints(request(system="s", tools=[TOOL]), drop_attribution=True) == []
 
 
-@pytest.mark.parametrize(
-    "mark, needle",
-    [({"type": "persistent"}, "ephemeral"), ({"type": "ephemeral", "ttl": "2h"}, "ttl"),
-     ("ephemeral", "ephemeral")],  # fmt: skip
-)
+BAD_MARKS = [({"type": "persistent"}, "ephemeral"), ({"type": "ephemeral", "ttl": "2h"}, "ttl"),
+             ("ephemeral", "ephemeral")]  # fmt: skip
+
+
+@pytest.mark.parametrize("mark, needle", BAD_MARKS)
 def test_a_malformed_mark_is_a_400_naming_it(mark, needle):
     req = request(system=[{"type": "text", "text": "s", "cache_control": mark}])
     with pytest.raises(APIError) as info:
@@ -83,7 +83,7 @@ def test_common_prefix():
 
 
 def test_retentions_skip_marks_that_cover_nothing():
-    (r,) = retentions([0, 40], [300.0, 3600.0], "tenant")
+    (r,) = retentions(((0, 300.0), (40, 3600.0)), "tenant")
     assert (r.ttl_s, r.num_tokens, r.session, r.include_output) == (3600.0, 40, "tenant", False)
 
 

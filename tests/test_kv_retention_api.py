@@ -15,6 +15,7 @@ from tool_schemas import ADD, weather_and_add_tools
 
 from prefixserve.api.server import ServerConfig
 
+
 def run(test):
     """An async test run to completion on its own event loop."""
 
@@ -77,13 +78,13 @@ async def test_cache_control_retains_the_marked_prefix_and_splits_usage():
 
 @run
 async def test_streamed_usage_carries_the_same_split():
-    async with inprocess(**ENGINE) as (client, engine):
+    async with inprocess(**ENGINE) as (client, _):
         whole = (await client.post("/v1/messages", json=messages_body())).json()["usage"]
         fresh = messages_body(stream=True, cache_salt="another namespace")
         async with client.stream("POST", "/v1/messages", json=fresh) as r:
             text = "".join([chunk async for chunk in r.aiter_text()])
-        assert '"ephemeral_1h_input_tokens": %d' % (
-            whole["cache_creation"]["ephemeral_1h_input_tokens"]) in text  # fmt: skip
+        hour = whole["cache_creation"]["ephemeral_1h_input_tokens"]
+        assert f'"ephemeral_1h_input_tokens": {hour}' in text
 
 
 @pytest.mark.parametrize(
@@ -155,7 +156,7 @@ async def test_a_reply_that_calls_a_tool_keeps_its_kv_until_the_result_comes_bac
         (call,) = message["tool_calls"]
         await retained(engine)
         table = engine.engine.scheduler.kv.retention
-        assert not table._gaps  # noqa: SLF001 - no pause has ended yet
+        assert not table._gaps
 
         history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
                    {"role": "tool", "tool_call_id": call["id"], "content": "5"}]  # fmt: skip
@@ -164,7 +165,7 @@ async def test_a_reply_that_calls_a_tool_keeps_its_kv_until_the_result_comes_bac
         assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
         stats = await retained(engine, 0)  # resumed: the pause ended, its retention released
         assert stats["retention_released"] > 0
-        assert len(table._gaps) == 1  # noqa: SLF001 - one gap sample for the learned TTL
+        assert len(table._gaps) == 1
 
 
 @run

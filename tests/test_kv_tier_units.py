@@ -271,6 +271,19 @@ def test_ttl_is_capped_and_learned_from_tool_call_gaps():
     assert table.ttl_for(None) == 30
 
 
+def test_a_pause_that_never_resumes_is_forgotten_after_the_ttl_cap():
+    clock = Clock()
+    table = RetentionTable(10, default_ttl_s=30, max_ttl_s=600, clock=clock)
+    table.retain([1], ttl_s=None, session="gone")
+    clock.now += 300
+    table.retain([2], ttl_s=None, session="late")
+    clock.now += 301  # "gone" paused 601 s ago, "late" 301 s ago
+    table.expire()
+    table.observe_request("gone")  # too late: no gap sample
+    table.observe_request("late")
+    assert list(table._gaps) == [301]
+
+
 def test_kv_retention_validates():
     with pytest.raises(ValueError, match="ttl_s"):
         KVRetention(ttl_s=0)

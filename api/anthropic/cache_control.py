@@ -106,11 +106,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def retentions(positions: list[int], ttls: list[float], session: str | None
+def retentions(marks: tuple[tuple[int, float], ...], session: str | None
                ) -> tuple[KVRetention, ...]:  # fmt: skip
-    """One retention per breakpoint that marks at least one token."""
+    """One retention per mark (position, TTL) that covers at least one token."""
     return tuple(KVRetention(ttl_s=ttl, num_tokens=pos, session=session)
-                 for pos, ttl in zip(positions, ttls) if pos > 0)  # fmt: skip
+                 for pos, ttl in marks if pos > 0)  # fmt: skip
 
 
 def split_usage(

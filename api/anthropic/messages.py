@@ -141,9 +141,7 @@ class MessagesServing(TemplateServing):
         tenant = tenant_of(raw_request)
         inputs = self.inputs(prompt, tools, chat_req, req.max_tokens, structured=structured,
                              tenant=tenant)  # fmt: skip
-        inputs.params.kv_retention = retentions(
-            [pos for pos, _ in marks], [ttl for _, ttl in marks],
-            tenant.namespace(req.cache_salt))  # fmt: skip
+        inputs.params.kv_retention = retentions(marks, tenant.namespace(req.cache_salt))
         message_id = random_id("msg_")
         streams = await self.add_all(message_id, [prompt], [inputs.params], "messages",
                                      inputs.grammar_source)  # fmt: skip

@@ -37,6 +37,7 @@ import json
 import random
 import re
 import string
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,21 +59,21 @@ Piece = str | ParsedCall
 """What a stream emits: content text, or a complete call."""
 
 
-class ToolCallParser:
+class ToolCallParser(ABC):
     """One syntax. Subclasses give ``section`` (where the calls start) and ``calls_in``."""
 
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         self.tools = tools or []
 
+    @abstractmethod
     def section(self, text: str, final: bool) -> tuple[int, bool]:
         """``(end of the sure content, whether calls start there)``. Not found and not final:
         the end stops before any text that may still turn into the start."""
-        raise NotImplementedError
 
+    @abstractmethod
     def calls_in(self, section: str, final: bool) -> tuple[list[ParsedCall], str]:
         """The complete calls at the start of ``section`` (which begins at the syntax's start)
         and the text after them (with ``final``: all of it that is not a complete call)."""
-        raise NotImplementedError
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         pieces = self.stream().feed(text, final=True)

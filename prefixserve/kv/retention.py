@@ -19,7 +19,8 @@ stay cached as ordinary blocks (another session may share them, a system prompt 
 TTL learned from tool calls: a retention without ``ttl_s`` (an agent paused on a tool call)
 gets ``ttl_for``: the 90th percentile of the gaps seen so far between such a pause and the
 session's next request, times ``TTL_MARGIN``, within [``default_ttl_s``, ``max_ttl_s``]; the
-default until ``MIN_GAP_SAMPLES`` gaps were seen, or when learning is off.
+default until ``MIN_GAP_SAMPLES`` gaps were seen, or when learning is off. A pause is
+remembered at most ``max_ttl_s`` (bounded: a session that never returns is forgotten).
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ class RetentionTable:
         now = self._clock()
         expiry = now + self.ttl_for(ttl_s)
         if ttl_s is None and session is not None:
+            self._paused.pop(session, None)  # oldest pause first (``expire`` relies on it)
             self._paused[session] = now
         granted = []
         for h in hashes:
@@ -152,8 +154,11 @@ class RetentionTable:
             self._gaps.append(self._clock() - paused)
 
     def expire(self) -> list[BlockHash]:
-        """Drop the retentions whose time passed; returns their hashes."""
+        """Drop the retentions whose time passed; returns their hashes. Pauses older than
+        ``max_ttl_s`` are forgotten too (a session that never came back)."""
         now, out = self._clock(), []
+        while self._paused and now - next(iter(self._paused.values())) > self.max_ttl_s:
+            del self._paused[next(iter(self._paused))]
         while self._heap and self._heap[0][0] <= now:
             expiry, h = heapq.heappop(self._heap)
             if self._expiry.get(h) == expiry:
