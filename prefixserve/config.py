@@ -56,7 +56,8 @@ class EngineConfig:
     ``kv_cache_dir_size`` GiB): a disk tier that survives restarts; ``kv_shared_url``
     (``redis://HOST:PORT``): a Valkey/Redis tier shared by replicas. Retention
     (``SamplingParams.kv_retention``): at most ``kv_retention_budget`` of the pool's blocks are
-    protected at once; TTLs are capped at ``kv_retention_max_ttl_s``; a retention without a TTL
+    protected at once, shared max-min fairly between tenants; each tenant keeps at most
+    ``kv_retention_max_sessions`` retained prefixes (its oldest end first); TTLs are capped at ``kv_retention_max_ttl_s``; a retention without a TTL
     (a pause on a tool call) gets ``kv_retention_default_ttl_s``, or with
     ``kv_retention_learn_ttl`` a TTL learned from the gaps seen between turns.
     """
@@ -96,6 +97,7 @@ class EngineConfig:
     kv_retention_default_ttl_s: float = 300.0
     kv_retention_max_ttl_s: float = 3600.0
     kv_retention_learn_ttl: bool = True
+    kv_retention_max_sessions: int = 1024
 
     @property
     def has_kv_tiers(self) -> bool:
@@ -224,6 +226,13 @@ class EngineConfig:
             require(
                 isinstance(value, (int, float)) and value > 0, name, f"must be > 0, got {value!r}"
             )
+        require(
+            isinstance(self.kv_retention_max_sessions, int)
+            and not isinstance(self.kv_retention_max_sessions, bool)
+            and self.kv_retention_max_sessions >= 1,
+            "kv_retention_max_sessions",
+            f"must be an integer >= 1, got {self.kv_retention_max_sessions!r}",
+        )
         require(
             isinstance(self.kv_retention_learn_ttl, bool),
             "kv_retention_learn_ttl",

@@ -122,6 +122,7 @@ class LLMEngine:
             default_ttl_s=config.kv_retention_default_ttl_s,
             max_ttl_s=config.kv_retention_max_ttl_s,
             learn_ttl=config.kv_retention_learn_ttl,
+            max_sessions_per_tenant=config.kv_retention_max_sessions,
         )
         self.kv_tiers = build_kv_tiers(config, self.runner.model, self.runner.kv_caches, retention)
         kv_cache_manager = KVCacheManager(

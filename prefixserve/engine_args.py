@@ -121,7 +121,15 @@ def _add_kv_tier_args(p: argparse.ArgumentParser) -> None:
         "--kv-retention-budget",
         type=float,
         default=0.5,
-        help="share of the KV pool that retained prefixes (cache_control TTLs) may protect",
+        help="share of the KV pool that retained prefixes (cache_control TTLs) may protect; "
+        "shared max-min fairly between tenants",
+    )
+    p.add_argument(
+        "--kv-retention-max-sessions",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="retained prefixes (sessions) each tenant keeps at most; its oldest end first",
     )
     p.add_argument(
         "--kv-retention-max-ttl",
@@ -173,6 +181,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_retention_budget=args.kv_retention_budget,
         kv_retention_max_ttl_s=args.kv_retention_max_ttl_s,
         kv_retention_learn_ttl=args.kv_retention_learn_ttl,
+        kv_retention_max_sessions=args.kv_retention_max_sessions,
     )
 
 

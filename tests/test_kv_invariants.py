@@ -305,6 +305,9 @@ class FakeTiers:
         for block_id, content in zip(block_ids, contents):
             self.slots[block_id] = list(content)
 
+    def holds(self, key) -> bool:
+        return key.block_hash in self.store
+
     def clear_local(self) -> None:
         self.store.clear()
 
@@ -333,10 +336,20 @@ class KVCacheMachineWithTiers(KVCacheMachine):
         self.admit(seq.tokens + [0], seq.extra)
 
     @precondition(lambda self: self.finished)
-    @rule(data=st.data(), ttl=st.sampled_from([1.0, 5.0]), session=st.sampled_from(["a", "b"]))
-    def retain(self, data: st.DataObject, ttl: float, session: str) -> None:
+    @rule(data=st.data(), ttl=st.sampled_from([1.0, 5.0]), session=st.sampled_from(["a", "b"]),
+          tenant=st.sampled_from(["t1", "t2"]))  # fmt: skip
+    def retain(self, data: st.DataObject, ttl: float, session: str, tenant: str) -> None:
         seq = data.draw(st.sampled_from(self.finished))
-        self.mgr.retain(seq.tokens, seq.hashes, KVRetention(ttl_s=ttl, session=session))
+        self.mgr.retain(seq.tokens, seq.hashes,
+                        KVRetention(ttl_s=ttl, session=session, tenant=tenant))  # fmt: skip
+
+    @rule()
+    def tier_forgets_everything(self) -> None:
+        """The tier below lost every block: retained ones the pool lacks leave the budget."""
+        self.tiers.store.clear()
+        self.mgr.tick()
+        pool = self.mgr.pool
+        assert all(pool.hashed_block(h) is not None for h in self.retention._holders)
 
     @rule(session=st.sampled_from(["a", "b"]))
     def release(self, session: str) -> None:
@@ -351,6 +364,10 @@ class KVCacheMachineWithTiers(KVCacheMachine):
     def retained_blocks_wait_in_the_retained_lru(self) -> None:
         pool = self.mgr.pool
         assert len(self.retention) <= self.retention.budget_blocks
+        stats = self.retention.stats()
+        assert stats["retention_used_blocks"] <= self.retention.budget_blocks
+        assert stats["retention_sessions"] <= stats["retention_used_blocks"]
+        assert stats["retention_heap_entries"] <= 2 * stats["retention_sessions"] + 64
         for block_id in pool.lru_block_ids()[len(pool.lru_block_ids()) - pool.num_retained_blocks :]:
             block = pool.blocks[block_id]
             assert block.block_hash is not None and self.retention.is_retained(block.block_hash)

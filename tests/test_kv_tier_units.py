@@ -237,24 +237,24 @@ def test_disk_tier_full_disk_raises_and_leaves_no_file(tmp_path, monkeypatch):
 def test_retention_budget_expiry_and_release():
     clock = Clock()
     table = RetentionTable(budget_blocks=3, clock=clock)
-    assert table.retain([1, 2], ttl_s=10, session="a") == [1, 2]
-    assert table.retain([2, 3, 4], ttl_s=60, session="b") == [2, 3]  # 4 is past the budget
+    assert table.retain([1, 2], ttl_s=10, session="a") == ([1, 2], [])
+    assert table.retain([2, 3, 4], ttl_s=60, session="b") == ([2, 3], [])  # 4: past the budget
     assert table.refused == 1 and len(table) == 3
     clock.now += 11
-    assert table.expire() == [1]  # 2 was extended by b's longer retention
+    assert table.expire() == [1]  # 2 is still held by b's longer retention
     assert table.is_retained(2) and not table.is_retained(1)
-    assert table.release("b") == [3]  # a still retains 2
-    assert table.release("a") == [2]
+    assert sorted(table.release("b")) == [2, 3]  # a's retention of 2 ended with its TTL
+    assert table.release("a") == []
     assert len(table) == 0 and table.expire() == []
 
 
 def test_release_keeps_blocks_other_sessions_retain():
     table = RetentionTable(budget_blocks=10, clock=Clock())
     table.retain([1, 2], ttl_s=60, session="a")
-    table.retain([2], ttl_s=60, session="b")
+    table.retain([1], ttl_s=60, session="b")  # a shorter prefix of the same chain
     table.retain([3], ttl_s=60)  # anonymous: no session releases it
-    assert sorted(table.release("a")) == [1]
-    assert table.is_retained(2) and table.is_retained(3)
+    assert table.release("a") == [2]
+    assert table.is_retained(1) and table.is_retained(3)
 
 
 def test_ttl_is_capped_and_learned_from_tool_call_gaps():

@@ -39,13 +39,19 @@ With ``tiers`` (``prefixserve.kv.tiers.KVTierManager``), full blocks continue be
 A loaded block is registered only after its K/V was copied into it, outside any step's
 journal: a failed step cannot unregister it, and a failed load registers nothing.
 
-With ``retention`` (``prefixserve.kv.retention.RetentionTable``): ``retain`` protects a prefix's
-blocks (soft priority in the pool and the tiers, ``write_through`` to disk), ``release`` and
-``tick`` (expiry, once per schedule) drop the protection.
+With ``retention`` (``prefixserve.kv.retention.RetentionTable``): ``retain`` protects the
+leading blocks of a prefix that the pool holds, within the tenant's share of the budget (soft
+priority in the pool and the tiers, ``write_through`` to disk); ``release`` and ``tick``
+(expiry, once per schedule) drop the protection. A retained hash leaves the budget when its
+block leaves the pool and every tier: at once when the pool evicts it without tiers below;
+with tiers, once ``KVTierManager.holds`` says no local tier keeps it (``tick`` looks at up to
+``RETAINED_SWEEP`` such blocks each time; the shared tier keeps no retention).
 """
 
 from __future__ import annotations
 
+import itertools
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -61,6 +67,7 @@ if TYPE_CHECKING:
     from prefixserve.kv_events import KVEventRecorder
 
 SeqId = Hashable
+RETAINED_SWEEP = 64  # retained blocks out of the pool checked against the tiers per tick
 
 
 @dataclass(slots=True)
@@ -117,13 +124,15 @@ class KVCacheManager:
         self.watermark_blocks = int(watermark * num_blocks)
         self.tiers = tiers if enable_prefix_caching else None
         self.retention = retention
+        watched = self.tiers is not None or retention is not None
         self.pool = BlockPool(
             num_blocks,
             enable_prefix_caching,
             kv_events,
-            on_evict=self.tiers.on_evicted if self.tiers is not None else None,
+            on_evict=self._on_evicted if watched else None,
             is_retained=retention.is_retained if retention is not None else None,
         )
+        self._retained_out: OrderedDict[BlockHash, BlockKey] = OrderedDict()  # in tiers only
         self._finished_loads: set[Hashable] = set()
         self._cancelled_loads: set[Hashable] = set()
         self._loaded_blocks = 0  # blocks loaded from the tiers into the pool (monotonic)
@@ -379,7 +388,22 @@ class KVCacheManager:
             return False
         if self.tiers is not None:
             self.tiers.clear_local()
+        if self.retention is not None:  # what it protected is gone
+            self.retention.clear()
+            self._retained_out.clear()
         return True
+
+    def _on_evicted(self, block: KVBlock) -> None:
+        """The pool evicts ``block`` (hash still set): down to the tiers; a retained one leaves
+        the budget now without tiers, else once no tier keeps it (``tick``)."""
+        if self.tiers is not None:
+            self.tiers.on_evicted(block)
+        h = block.block_hash
+        if self.retention is not None and self.retention.is_retained(h):
+            if self.tiers is None:
+                self.retention.drop([h])
+            else:
+                self._retained_out[h] = BlockKey(h, block.token_ids, block.parent_hash)
 
     # ---- tiers --------------------------------------------------------------------------------
 
@@ -465,13 +489,17 @@ class KVCacheManager:
     def retain(
         self, token_ids: Sequence[int], block_hashes: Sequence[BlockHash], retention: KVRetention
     ) -> int:
-        """Protect the full blocks of ``token_ids[:retention.num_tokens]``; the number of blocks
-        now retained. ``write_through`` also writes those in the pool to the disk tier."""
+        """Protect the full blocks of ``token_ids[:retention.num_tokens]``, as many leading ones
+        as the pool holds and the tenant's share allows; the number of blocks now retained.
+        ``write_through`` also writes them to the disk tier."""
         if self.retention is None or not self.enable_prefix_caching:
             return 0
         end = len(token_ids) if retention.num_tokens is None else retention.num_tokens
-        hashes = list(block_hashes[: min(end, len(token_ids)) // self.block_size])
-        granted = self.retention.retain(hashes, retention.ttl_s, retention.session)
+        hashes = block_hashes[: min(end, len(token_ids)) // self.block_size]
+        held = itertools.takewhile(lambda h: self.pool.hashed_block(h) is not None, hashes)
+        granted, ended = self.retention.retain(held, retention.ttl_s, retention.session,
+                                               retention.tenant)  # fmt: skip
+        self.pool.unretain(ended)
         self.pool.retain(granted)
         if retention.write_through and self.tiers is not None:
             in_pool = [b for h in granted if (b := self.pool.hashed_block(h)) is not None]
@@ -492,9 +520,19 @@ class KVCacheManager:
             self.retention.observe_request(session)
 
     def tick(self) -> None:
-        """Expire retentions whose time passed (their blocks are evicted next)."""
-        if self.retention is not None:
-            self.pool.unretain(self.retention.expire())
+        """Expire retentions whose time passed (their blocks are evicted next); retained blocks
+        no tier keeps any more leave the budget."""
+        if self.retention is None:
+            return
+        self.pool.unretain(self.retention.expire())
+        for h in list(itertools.islice(self._retained_out, RETAINED_SWEEP)):
+            key = self._retained_out.pop(h)
+            if not self.retention.is_retained(h) or self.pool.hashed_block(h) is not None:
+                continue  # released, expired, or loaded back into the pool
+            if self.tiers is not None and self.tiers.holds(key):
+                self._retained_out[key.block_hash] = key  # looked at again after the others
+            else:
+                self.retention.drop([h])
 
     @property
     def usage(self) -> float:

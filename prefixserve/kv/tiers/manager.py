@@ -252,6 +252,12 @@ class KVTierManager:
             store = self._queued.get(key.block_hash)
         return store if store is not None and store.key.token_ids == key.token_ids else None
 
+    def holds(self, key: BlockKey) -> bool:
+        """Whether a block the pool evicted is still kept below it: on its way down or in a
+        local tier (the retention budget's test; the shared tier keeps no retention)."""
+        return (key.block_hash in self._evicted or self._queued_store(key) is not None
+                or self._local_tier_of(key) is not None)  # fmt: skip
+
     def _local_tier_of(self, key: BlockKey) -> KVTier | None:
         return next((self.tiers[i] for i in self._local if self.tiers[i].contains(key)), None)
 
