@@ -43,4 +43,5 @@ class OutputProcessor:
             num_cached_tokens=request.num_cached_tokens or 0,
             error=request.error,
             prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs else None,
+            kv_retained_tokens=tuple(request.kv_retained_tokens),
         )

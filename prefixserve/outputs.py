@@ -33,6 +33,9 @@ class RequestOutput:
     first scheduling (block-aligned). ``outputs`` are in index order (for beam search: best first).
     ``prompt_logprobs`` (when asked for): per prompt token a dict {token_id: logprob} holding that
     token and the top k at its position, None for the first token; filled as the prompt runs.
+    ``kv_retained_tokens``: per ``SamplingParams.kv_retention`` entry, the leading tokens whose
+    blocks it retained (block-aligned, within the tenant's share of the retention budget); None
+    until it was applied (a prompt's once the prompt is computed, ``include_output`` at the end).
     """
 
     request_id: str
@@ -43,3 +46,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    kv_retained_tokens: tuple[int | None, ...] = ()

@@ -10,7 +10,9 @@ With tiers under the pool (``prefixserve.kv.tiers``), a request whose prefix con
 tier waits while its blocks load on the tier worker (started when it is queued); it keeps its
 place in line, requests behind it pass, and it is admitted once the load was applied (a failed
 load is a miss: those tokens are computed). Retention a request carries
-(``SamplingParams.kv_retention``) is applied when it is retired.
+(``SamplingParams.kv_retention``) is applied to its prompt once the prompt is computed (so its
+first output reports what was granted, ``RequestOutput.kv_retained_tokens``), and to its output
+(``include_output``) when it is retired.
 
 When the KV cache runs out for a running request, the lowest-priority running request (the last
 one, never one already scheduled this step) is preempted: its blocks are freed (full ones stay
@@ -131,6 +133,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
         self.prompt_tokens += len(request.prompt_token_ids)
+        request.kv_retained_tokens = [None] * len(request.kv_retention)
         for retention in request.kv_retention:
             if retention.session is not None:
                 self.kv.observe_session(retention.session)
@@ -416,6 +419,8 @@ class Scheduler:
         for request in touched:
             if not request.is_finished and all(s.is_finished for s in request.seqs):
                 self._retire(request)
+            elif request.kv_retention and not request.is_finished:
+                self._retain(request, retiring=False)
         return touched
 
     def _finish_request(self, request: Request, reason: str | None) -> None:
@@ -433,19 +438,25 @@ class Scheduler:
         if request.kv_load == "loading":
             self.kv.cancel_load(request)
         if request.error is None:
-            self._retain(request)
+            self._retain(request, retiring=True)
         if self.proposer is not None:
             self.proposer.remember(request)  # suffix drafts for the tenant's later requests
 
-    def _retain(self, request: Request) -> None:
-        """Apply the request's retentions to its prompt (or, ``include_output``, its first
-        sequence's whole text)."""
+    def _retain(self, request: Request, retiring: bool) -> None:
+        """Apply the request's retentions not applied yet: to its prompt once it is computed (or
+        it retires), ``include_output`` ones to its first sequence's whole text when it retires.
+        Records the tokens each one retained."""
         if not request.kv_retention:
             return
         seq = request.seqs[0]
-        for retention in request.kv_retention:
+        prompt_done = retiring or seq.num_computed_tokens >= seq.num_prompt_tokens
+        for i, retention in enumerate(request.kv_retention):
+            applied = request.kv_retained_tokens[i] is not None
+            if applied or not prompt_done or (retention.include_output and not retiring):
+                continue
             end = seq.num_tokens if retention.include_output else seq.num_prompt_tokens
-            self.kv.retain(seq.token_ids[:end], seq.block_hashes, retention)
+            blocks = self.kv.retain(seq.token_ids[:end], seq.block_hashes, retention)
+            request.kv_retained_tokens[i] = blocks * self.block_size
 
     # ---- figures -------------------------------------------------------------------------------
 

@@ -129,6 +129,8 @@ class Request:
     finished_beams: list = field(default_factory=list)
     # the tiers under the pool: None (not asked yet), "loading" (waits for it), "done"
     kv_load: str | None = None
+    # per ``kv_retention`` entry: the leading tokens whose blocks it retained, None until applied
+    kv_retained_tokens: list[int | None] = field(default_factory=list)
 
     @property
     def kv_retention(self) -> tuple:

@@ -87,8 +87,11 @@ def test_retentions_skip_marks_that_cover_nothing():
     assert (r.ttl_s, r.num_tokens, r.session, r.include_output) == (3600.0, 40, "tenant", False)
 
 
-def _split(num_prompt, num_read, marks, block_size=16):
-    u = split_usage(num_prompt, num_read, marks, block_size)
+def _split(num_prompt, num_read, marks, block_size=16, retained=None):
+    """``split_usage``, every mark granted in full unless ``retained`` says otherwise."""
+    if retained is None:
+        retained = [min(p, num_prompt) // block_size * block_size for p, _ in marks if p > 0]
+    u = split_usage(num_prompt, num_read, marks, block_size, retained=retained)
     assert (u.input_tokens + u.cache_creation_input_tokens + u.cache_read_input_tokens
             == num_prompt)  # fmt: skip
     c = u.cache_creation
@@ -114,3 +117,16 @@ def test_usage_splits_writes_by_the_longest_ttl_at_or_after_them():
     assert _split(100, 48, [(40, 3600.0), (90, 300.0)]) == (20, 32, 0, 48)
     # read past the last mark: nothing written, the rest is input
     assert _split(100, 96, [(40, 3600.0)]) == (4, 0, 0, 96)
+
+
+def test_usage_counts_only_what_the_engine_retained():
+    # the 1h mark's retention was refused: what it marked is plain input, never 1h
+    assert _split(100, 0, [(40, 3600.0)], retained=[0]) == (100, 0, 0, 0)
+    assert _split(100, 0, [(40, 3600.0)], retained=[None]) == (100, 0, 0, 0)  # not applied
+    # granted in part: 16 of the 32 marked tokens
+    assert _split(100, 0, [(40, 3600.0)], retained=[16]) == (84, 0, 16, 0)
+    # a refused 1h mark after a granted 5m one: its tokens count under the 5m mark alone
+    assert _split(100, 0, [(40, 300.0), (90, 3600.0)], retained=[32, 0]) == (68, 32, 0, 0)
+    # a mark at position 0 made no retention: the entries belong to the marks after it
+    assert _split(100, 0, [(0, 300.0), (40, 3600.0)], retained=[32]) == (68, 0, 32, 0)
+    assert _split(100, 0, [(40, 3600.0)], retained=()) == (100, 0, 0, 0)

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from prefixserve.api.frontend.protocol import APIError
+from prefixserve.api.frontend.tenancy import Tenant
 from prefixserve.api.frontend.tool_call_retention import ToolCallRetention, session_of
 from prefixserve.api.openai.prompt_cache import DAY_S, retention_of
 from prefixserve.api.parsing.reply import Finish, TextDelta, ToolCallDelta, first_call
@@ -30,7 +31,8 @@ class RecordingEngine:
 
 
 def inputs(salt: str | None = "s") -> SimpleNamespace:
-    return SimpleNamespace(prompt_token_ids=[1, 2, 3], params=SamplingParams(cache_salt=salt))
+    return SimpleNamespace(prompt_token_ids=[1, 2, 3], params=SamplingParams(cache_salt=salt),
+                           tenant=Tenant("team-a", isolated=True))  # fmt: skip
 
 
 def output(finish_reason: str = "stop") -> CompletionOutput:
@@ -55,6 +57,7 @@ def test_a_call_at_the_end_of_a_reply_retains_prompt_and_reply_under_its_session
     ((kind, ids, retention, salt),) = engine.calls
     assert (kind, ids, salt) == ("retain", [1, 2, 3, 7, 8], "s")
     assert retention.ttl_s is None and retention.session == session_of("s", "call_1") == "s/call_1"
+    assert retention.tenant == "team-a"  # its share of the retention budget
 
 
 @pytest.mark.parametrize("call_id, reason, enabled", [(None, "stop", True),

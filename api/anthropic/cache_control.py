@@ -11,19 +11,23 @@ messages)::
                       block's everything before it and the message's blocks up to it
     position          the longest common prefix, in tokens, of the cut's rendering (no generation
                       prompt) and the request's prompt: where the marked prefix ends
-    retention         KVRetention(ttl_s, num_tokens=position, session): the engine keeps the full
-                      blocks of that prefix for the TTL, soft priority within its budget
+    retention         KVRetention(ttl_s, num_tokens=position, session, tenant): the engine keeps
+                      the full blocks of that prefix for the TTL, soft priority within the
+                      tenant's share of its budget (``kv.retention``)
 
 Usage (``split_usage``), which always sums to the prompt's length: ``cache_read_input_tokens``
 were read from the prefix cache; ``cache_creation_input_tokens`` are the full blocks this request
-wrote up to its last breakpoint, each counted under the longest TTL of a breakpoint at or after it
-(``cache_creation.ephemeral_1h_input_tokens`` / ``ephemeral_5m_input_tokens``), or, without
-breakpoints, every full block it wrote (the cache is automatic here; counted as 5m);
-``input_tokens`` is the rest.
+wrote up to its last breakpoint, as far as the engine granted each breakpoint's retention
+(``RequestOutput.kv_retained_tokens``), each counted under the longest TTL of a breakpoint at or
+after it (``cache_creation.ephemeral_1h_input_tokens`` / ``ephemeral_5m_input_tokens``), or,
+without breakpoints, every full block it wrote (the cache is automatic here; counted as 5m);
+``input_tokens`` is the rest. So a retention the budget refused is plain input: usage never
+claims a retention that did not happen.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,11 +110,21 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def retentions(marks: tuple[tuple[int, float], ...], session: str | None
+def retentions(marks: tuple[tuple[int, float], ...], session: str | None, tenant: str = ""
                ) -> tuple[KVRetention, ...]:  # fmt: skip
-    """One retention per mark (position, TTL) that covers at least one token."""
-    return tuple(KVRetention(ttl_s=ttl, num_tokens=pos, session=session)
+    """One retention per mark (position, TTL) that covers at least one token, named
+    ``session``, counted against ``tenant``'s share of the budget (``Tenant.owner``)."""
+    return tuple(KVRetention(ttl_s=ttl, num_tokens=pos, session=session, tenant=tenant)
                  for pos, ttl in marks if pos > 0)  # fmt: skip
+
+
+def granted_marks(marks: Sequence[tuple[int, float]], retained: Sequence[int | None]
+                  ) -> list[tuple[int, float]]:  # fmt: skip
+    """Each mark cut to what the engine retained for it: ``retained`` holds one entry per
+    retention ``retentions`` made (the marks past position 0, in order), None or missing where
+    nothing was granted yet."""
+    granted = iter(retained)
+    return [(min(p, next(granted, None) or 0) if p > 0 else 0, ttl) for p, ttl in marks]
 
 
 def split_usage(
@@ -119,13 +133,17 @@ def split_usage(
     marks: list[tuple[int, float]],
     block_size: int | None,
     output_tokens: int = 0,
+    retained: Sequence[int | None] = (),
 ) -> MessagesUsage:
     """The prompt split as the module docstring says. ``marks``: (position, TTL seconds) of each
-    breakpoint; ``block_size``: of the prefix cache, None when it is off (nothing is written)."""
+    breakpoint; ``block_size``: of the prefix cache, None when it is off (nothing is written);
+    ``retained``: the engine's ``RequestOutput.kv_retained_tokens`` (a mark it does not cover
+    counts as refused)."""
     if not block_size:
         marks, ends = [], []
-    else:  # each mark's written end: its full blocks (what the engine retains)
-        marks = [(min(p, num_prompt) // block_size * block_size, ttl) for p, ttl in marks]
+    else:  # each mark's written end: its full blocks, as far as the engine retained them
+        marks = [(min(p, num_prompt) // block_size * block_size, ttl)
+                 for p, ttl in granted_marks(marks, retained)]  # fmt: skip
         ends = [p for p, _ in marks] or [num_prompt // block_size * block_size]
     hour = five = 0
     start = num_read

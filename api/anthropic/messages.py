@@ -59,9 +59,11 @@ FIRST_OUTPUT_WAIT_S = 30.0
 def usage_of(out: RequestOutput, block_size: int | None,
              marks: tuple[tuple[int, float], ...] = ()) -> MessagesUsage:  # fmt: skip
     """The prompt split by the prefix cache (``cache_control.split_usage``). ``block_size``: of
-    the prefix cache, None when it is off; ``marks``: (position, TTL) of each breakpoint."""
+    the prefix cache, None when it is off; ``marks``: (position, TTL) of each breakpoint, each
+    counted as far as the engine retained it (``out.kv_retained_tokens``)."""
     return split_usage(len(out.prompt_token_ids), out.num_cached_tokens, list(marks),
-                       block_size, sum(len(c.token_ids) for c in out.outputs))  # fmt: skip
+                       block_size, sum(len(c.token_ids) for c in out.outputs),
+                       out.kv_retained_tokens)  # fmt: skip
 
 
 def stop_reason_of(c: CompletionOutput, called: bool) -> tuple[str | None, str | None]:
@@ -141,7 +143,9 @@ class MessagesServing(TemplateServing):
         tenant = tenant_of(raw_request)
         inputs = self.inputs(prompt, tools, chat_req, req.max_tokens, structured=structured,
                              tenant=tenant)  # fmt: skip
-        inputs.params.kv_retention = retentions(marks, tenant.namespace(req.cache_salt))
+        inputs.params.kv_retention = retentions(
+            marks, tenant.namespace(req.cache_salt), tenant.owner
+        )
         message_id = random_id("msg_")
         streams = await self.add_all(message_id, [prompt], [inputs.params], "messages",
                                      inputs.grammar_source)  # fmt: skip

@@ -54,6 +54,7 @@ class EngineInputs:
     tools: ToolRequest
     prompt_tail: str
     grammar_source: str | None = None
+    tenant: Tenant = NO_TENANT  # who asks (its share of the retention budget, ``tool_calls``)
 
 
 class TemplateServing(BaseServing):
@@ -129,7 +130,7 @@ class TemplateServing(BaseServing):
         params = self.make_params(sampling, max_tokens, logprobs, grammar, prompt_logprobs, tenant)
         if mode is not ToolMode.NONE and hasattr(params, "skip_special_tokens"):
             params.skip_special_tokens = False  # tool-call tags may be special tokens
-        return EngineInputs(prompt_token_ids, params, mode, tools, tail, source)
+        return EngineInputs(prompt_token_ids, params, mode, tools, tail, source, tenant)
 
     def _grammar(
         self,

@@ -10,8 +10,9 @@ resending the whole conversation. Every protocol reports it here the same way::
                                   gap is a TTL sample and its retention ends (the new request
                                   reads the blocks; its own reply retains them if it pauses)
 
-Sessions are keyed by the engine's cache salt (already the tenant's, ``frontend.tenancy``) and
-the call id, so only a request of the same tenant carrying that call's result resumes one.
+Sessions are named by the engine's cache salt (already the tenant's, ``frontend.tenancy``) and
+the call id, so only a request of the same tenant carrying that call's result resumes one; the
+retention counts against the tenant's share of the budget (``inputs.tenant``, ``kv.retention``).
 Both are fire-and-forget: a reply is never delayed by them, and a failure is logged, not raised
 (retention is a preference, never a correctness matter). Off with ``enabled=False``
 (``--no-retain-tool-call-kv``).
@@ -49,7 +50,9 @@ class ToolCallRetention:
         salt = getattr(inputs.params, "cache_salt", None)
         if not self.enabled or call_id is None or c.finish_reason != "stop":
             return
-        retention = KVRetention(ttl_s=None, session=session_of(salt, call_id))
+        retention = KVRetention(
+            ttl_s=None, session=session_of(salt, call_id), tenant=inputs.tenant.owner
+        )
         token_ids = [*inputs.prompt_token_ids, *c.token_ids]
         self._spawn(self.engine.retain_kv(token_ids, retention, salt))
 

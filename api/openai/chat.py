@@ -86,7 +86,8 @@ class ChatServing(TemplateServing):
         request_id = "chatcmpl-" + (req.request_id or random_id(""))
         namespace = tenant_of(raw_request).namespace(req.cache_salt)
         retention = retention_of(req.prompt_cache_retention,
-                                 retention_session(namespace, request_id))  # fmt: skip
+                                 retention_session(namespace, request_id),
+                                 tenant_of(raw_request).owner)  # fmt: skip
         if retention and req.use_beam_search:
             raise APIError("prompt_cache_retention: not supported with use_beam_search", 400,
                            "prompt_cache_retention")  # fmt: skip

@@ -196,7 +196,7 @@ class ResponsesServing(TemplateServing):
             inputs.params.max_tokens = 1
         response_id = random_id("resp_")
         inputs.params.kv_retention = retention_of(req.prompt_cache_retention, retention_session(
-            tenant.namespace(req.cache_salt), response_id))  # fmt: skip
+            tenant.namespace(req.cache_salt), response_id), tenant.owner)  # fmt: skip
         streams = await self.add_all(
             response_id, [prompt.token_ids], [inputs.params], "input", inputs.grammar_source,
             routing_key(tenant.namespace(req.cache_salt), req.prompt_cache_key))  # fmt: skip
