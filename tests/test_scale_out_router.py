@@ -27,6 +27,7 @@ from prefixserve.kv_events import (
     external_block_hash,
 )
 from prefixserve.sampling_params import SamplingParams
+from prefixserve.scale_out import router
 from prefixserve.scale_out.event_follower import EventFollower
 from prefixserve.scale_out.protocol import EngineRequest, KVEventsEndpoint, ReplicaReport
 from prefixserve.scale_out.router import (
@@ -38,6 +39,7 @@ from prefixserve.scale_out.router import (
     HashMirror,
     PrefixRouterState,
     RouterConfig,
+    affinity_digest,
     choose,
     request_block_hashes,
 )
@@ -385,6 +387,20 @@ def test_the_affinity_yields_to_a_load_imbalance() -> None:
     decision = state.route("r2", ["a", "b"], request_block_hashes([3] * 64, 16), 16, 64,
                            affinity_key="k")  # fmt: skip
     assert (decision.ranking[0].replica, decision.reason) == ("b", LOAD)
+
+
+def test_affinity_keys_are_kept_as_digests_in_a_bounded_table(monkeypatch) -> None:
+    monkeypatch.setattr(router, "MAX_AFFINITY_KEYS", 4)
+    state = PrefixRouterState()
+    hashes = request_block_hashes([1] * 64, BS)
+    huge = "k" * (1 << 20)  # a 1 MiB key costs the table 16 bytes
+    state.route("r0", ["a", "b"], hashes, BS, 64, affinity_key=huge)
+    assert list(state._affinity) == [affinity_digest(huge)]
+    assert all(len(k) == 16 for k in state._affinity)
+    for i in range(10):
+        state.route(f"s{i}", ["a", "b"], hashes, BS, 64, affinity_key=f"key {i}")
+    assert list(state._affinity) == [affinity_digest(f"key {i}") for i in range(6, 10)]
+    assert affinity_digest(huge) not in state._affinity  # the least recently routed went first
 
 
 def test_engine_requests_and_reports_survive_the_round_trip() -> None:

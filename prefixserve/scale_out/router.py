@@ -38,11 +38,13 @@ hint, never a block hash. Unless the loads decided (``load``), the replica the k
 goes first when it would hit as many tokens as the best candidate (``affinity``): a cold prompt,
 or a tie on what is cached (every replica holds the shared system prompt), goes where the key's
 earlier requests went; a replica that holds more of the prompt still wins. The router keeps the
-last ``MAX_AFFINITY_KEYS`` keys.
+last ``MAX_AFFINITY_KEYS`` keys (least recently routed dropped first), each as a 16-byte digest
+(``affinity_digest``), never the key itself: the table is at most a few MiB whatever the keys.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -233,6 +235,11 @@ class Decision:
     reason: str
 
 
+def affinity_digest(affinity_key: str) -> bytes:
+    """What the affinity table keys by: 16 bytes, whatever the key's length."""
+    return hashlib.blake2b(affinity_key.encode(), digest_size=16).digest()
+
+
 def with_affinity(decision: Decision, replica: str | None, config: RouterConfig) -> Decision:
     """``decision`` with ``replica`` first where the affinity rule (module docstring) says so."""
     ranking = decision.ranking
@@ -305,7 +312,8 @@ class PrefixRouterState:
         self._mirrors: dict[str, HashMirror] = {}
         self._counters: dict[str, ReplicaCounters] = {}
         self._in_flight: dict[str, _InFlight] = {}
-        self._affinity: OrderedDict[str, str] = OrderedDict()  # key -> replica it last went to
+        # affinity_digest(key) -> the replica it last went to, least recently routed first
+        self._affinity: OrderedDict[bytes, str] = OrderedDict()
 
     def mirror(self, replica: str) -> HashMirror:
         """The replica's mirror, created empty on first use."""
@@ -369,10 +377,11 @@ class PrefixRouterState:
             candidates = [replace(c, hit_tokens=0) for c in candidates]
         decision = choose(candidates, self.config)
         if affinity_key is not None:
+            digest = affinity_digest(affinity_key)
             with self._lock:
-                decision = with_affinity(decision, self._affinity.get(affinity_key), self.config)
-                self._affinity[affinity_key] = decision.ranking[0].replica
-                self._affinity.move_to_end(affinity_key)
+                decision = with_affinity(decision, self._affinity.get(digest), self.config)
+                self._affinity[digest] = decision.ranking[0].replica
+                self._affinity.move_to_end(digest)
                 if len(self._affinity) > MAX_AFFINITY_KEYS:
                     self._affinity.popitem(last=False)
         first = decision.ranking[0]
