@@ -111,6 +111,14 @@ class _EngineCollector(Collector):
              "retention_expiries", CounterMetricFamily),
             ("prefixserve_kv_retention_released", "Retained blocks released by their session.",
              "retention_released", CounterMetricFamily),
+            ("prefixserve_kv_retention_sessions", "Retention sessions (tenant and prefix) now.",
+             "retention_sessions", GaugeMetricFamily),
+            ("prefixserve_kv_retention_refused", "Retentions refused past the tenant's share.",
+             "retention_refused", CounterMetricFamily),
+            ("prefixserve_kv_retention_revoked", "Retained blocks taken back for another "
+             "tenant's share.", "retention_revoked", CounterMetricFamily),
+            ("prefixserve_kv_retention_dropped", "Retained blocks that left the pool and every "
+             "tier.", "retention_dropped", CounterMetricFamily),
         ):  # fmt: skip
             if key in cache:
                 family = kind(name, doc, labels=["model_name"])

@@ -57,8 +57,9 @@ class EngineConfig:
     (``redis://HOST:PORT``): a Valkey/Redis tier shared by replicas. Retention
     (``SamplingParams.kv_retention``): at most ``kv_retention_budget`` of the pool's blocks are
     protected at once, shared max-min fairly between tenants; each tenant keeps at most
-    ``kv_retention_max_sessions`` retained prefixes (its oldest end first); TTLs are capped at ``kv_retention_max_ttl_s``; a retention without a TTL
-    (a pause on a tool call) gets ``kv_retention_default_ttl_s``, or with
+    ``kv_retention_max_sessions`` retained prefixes (its oldest end first); TTLs are capped at
+    ``kv_retention_max_ttl_s``; a retention without a TTL (a pause on a tool call) gets
+    ``kv_retention_default_ttl_s``, or with
     ``kv_retention_learn_ttl`` a TTL learned from the gaps seen between turns.
     """
 

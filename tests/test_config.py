@@ -32,6 +32,7 @@ def test_more_than_the_models_positions_is_refused_not_capped() -> None:
         ("kv_shared_url", "http://x:1", "kv_shared_url"),
         ("kv_retention_budget", 1.5, "kv_retention_budget"),
         ("kv_retention_max_ttl_s", 0, "kv_retention_max_ttl_s"),
+        ("kv_retention_max_sessions", 0, "kv_retention_max_sessions"),
     ],
 )
 def test_bad_kv_tier_options_are_typed_errors(field, value, match) -> None:

@@ -49,11 +49,12 @@ def test_kv_tier_flags_reach_the_engine_config() -> None:
         _parse("--kv-offloading-size", "4", "--kv-offloading-dtype", "int8",
                "--kv-cache-dir", "/tmp/kv", "--kv-cache-dir-size", "2.5",
                "--kv-shared-url", "redis://127.0.0.1:6379", "--kv-retention-budget", "0.25",
-               "--kv-retention-max-ttl", "600", "--no-kv-retention-learn-ttl")
+               "--kv-retention-max-ttl", "600", "--no-kv-retention-learn-ttl",
+               "--kv-retention-max-sessions", "8")
     )  # fmt: skip
     config = EngineConfig(**kwargs)
     assert config.kv_offloading_size == 4 and config.kv_offloading_dtype == "int8"
     assert config.kv_cache_dir == "/tmp/kv" and config.kv_cache_dir_size == 2.5
     assert config.kv_shared_url == "redis://127.0.0.1:6379" and config.has_kv_tiers
     assert config.kv_retention_budget == 0.25 and config.kv_retention_max_ttl_s == 600
-    assert config.kv_retention_learn_ttl is False
+    assert config.kv_retention_learn_ttl is False and config.kv_retention_max_sessions == 8
