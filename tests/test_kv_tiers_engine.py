@@ -29,7 +29,7 @@ BLOCK = 16
 POOL = 24  # blocks: about three of the six sessions
 NEW = [11, 12, 13, 14, 15]
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-        "prompt_lookup_max": 3}  # fmt: skip
+        "prompt_lookup_max": 3, "draft_row_price": 0.0}  # fmt: skip
 
 
 def _prompt(n: int, seed: int) -> list[int]:

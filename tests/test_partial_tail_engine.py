@@ -58,7 +58,7 @@ def test_a_continuation_computes_only_what_it_adds(model, prompt_len, out_len):
 def test_a_continuation_with_speculative_decoding_is_exact(model):
     """ngram drafts on a repetitive prompt: some are rejected, none ends up in a tail."""
     prompt = [7, 8, 9, 10] * 9 + [7]
-    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "draft_row_price": 0.0}
     llm = LLM(model, block_size=BLOCK, num_kv_blocks=64, speculative_config=spec)
     first, follow, second = _continue(llm, prompt, 21)
     assert second.num_cached_tokens == len(prompt) + 21 - 1

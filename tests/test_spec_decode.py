@@ -35,6 +35,8 @@ def test_config_takes_vllms_dict_and_rejects_mistakes():
         {"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_max_cached_bytes": 0},
         {"method": "suffix", "num_speculative_tokens": 2,
          "suffix_decoding_max_cached_bytes_per_tenant": -1},
+        {"method": "ngram", "num_speculative_tokens": 2, "draft_row_price": -0.5},
+        {"method": "ngram", "num_speculative_tokens": 2, "draft_row_price": "free"},
         "ngram",
     ):  # fmt: skip
         with pytest.raises(InvalidArgumentError):
@@ -325,3 +327,18 @@ def test_the_batch_price_of_a_row_caps_drafts():
     proposer.observe(seq, 2, 2)
     assert proposer.begin_step(16)
     assert len(proposer.propose(request, seq, 1, 16)) == 5  # acceptance ~0.9: all affordable
+
+
+@pytest.mark.parametrize("price, drafts", [(0.0, 5), (0.5, 1), (0.7, 0)])
+def test_a_fixed_row_price_ignores_the_steps_times(price, drafts):
+    """``draft_row_price`` replaces the measured price: steps that make a row look dear (or
+    free) change nothing, so what a sequence drafts does not depend on timing."""
+    proposer = DraftProposer(SpeculativeConfig("ngram", 5, 1, 3, draft_row_price=price))
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
+    request, seq = _request(tokens)
+    seq.num_computed_tokens = len(tokens) - 1
+    for rows, seconds in ((1, 0.001), (6, 0.5), (32, 3.0)):
+        proposer.observe_step(rows, seconds)  # measured, a row would cost ~1 token of the step
+    for batch in (1, 16):
+        assert proposer.begin_step(batch)
+        assert len(proposer.propose(request, seq, 1, 16)) == drafts  # prior 0.6: p**k >= price

@@ -10,7 +10,8 @@ from servers import MODEL, launch_server, metric, scrape
 
 from prefixserve.spec_decode.output_index import BYTES_PER_NGRAM, BYTES_PER_TOKEN
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+        "draft_row_price": 0.0}  # fmt: skip
 
 
 def test_server_speculates_and_reports_it():
@@ -47,7 +48,7 @@ def test_suffix_index_memory_is_in_metrics_and_stats():
         BYTES_PER_NGRAM
     )
     spec = {"method": "suffix", "num_speculative_tokens": 3, "prompt_lookup_min": min_n,
-            "prompt_lookup_max": max_n,
+            "prompt_lookup_max": max_n, "draft_row_price": 0.0,
             "suffix_decoding_max_cached_bytes": one_output + 1000}  # fmt: skip
     with launch_server("--speculative-config", json.dumps(spec)) as base:
         for salt in ("tenant-a", "tenant-b"):

@@ -18,6 +18,9 @@ scores them all in that step's one forward and keeps the longest prefix plain de
 have produced.
 ``disable_by_batch_size``: no sequence speculates in a step that starts with at least this many
 running sequences (a large batch is compute-bound: verifying drafts there costs throughput).
+``draft_row_price``: what a draft row costs the batch, in tokens of its step, as a fixed figure
+(0: rows are free) instead of the one measured from the steps' times (``StepCost``, the default,
+None); with it set, which drafts a sequence proposes does not depend on timing.
 Speculation is off unless a config is given.
 """
 
@@ -42,6 +45,7 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_cached_bytes_per_tenant: int = 64 * MiB
     suffix_decoding_max_cached_bytes: int = 256 * MiB
+    draft_row_price: float | None = None
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -62,6 +66,13 @@ class SpeculativeConfig:
                      "suffix_decoding_max_cached_bytes_per_tenant",
                      "suffix_decoding_max_cached_bytes"):  # fmt: skip
             positive_int(name)
+        price = self.draft_row_price
+        require(
+            price is None
+            or (isinstance(price, int | float) and not isinstance(price, bool) and price >= 0),
+            "speculative_config.draft_row_price",
+            f"must be a number >= 0 or null, got {price!r}",
+        )
         require(
             self.prompt_lookup_min <= self.prompt_lookup_max,
             "speculative_config.prompt_lookup_min",

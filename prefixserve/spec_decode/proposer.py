@@ -18,7 +18,8 @@ text pays little for speculation: one draft now and then.
 What the batch pays: a draft adds a row to a step every running sequence waits for. Its ``i``-th
 draft is accepted with probability about ``p**i``, ``p`` the sequence's acceptance rate (per
 draft, an average over its recent verifications), and buys a token; the row costs the batch
-``price`` tokens (``StepCost.row_price`` of a step of that many rows, measured). A sequence
+``price`` tokens (``StepCost.row_price`` of a step of that many rows, measured; or the config's
+fixed ``draft_row_price``). A sequence
 drafts at most the ``k`` with ``p**k >= price``: with one stream rows are nearly free and any
 match drafts; in a wide batch only sequences that are copying do.
 
@@ -38,7 +39,7 @@ from prefixserve.sequence import Request, Sequence
 from prefixserve.spec_decode.config import SpeculativeConfig
 from prefixserve.spec_decode.metrics import SpecDecodeStats
 from prefixserve.spec_decode.ngram import match_ngram
-from prefixserve.spec_decode.step_cost import StepCost
+from prefixserve.spec_decode.step_cost import FixedStepCost, StepCost
 from prefixserve.spec_decode.tenant_indexes import TenantIndexes
 from prefixserve.structured_outputs.grammar import Grammar
 
@@ -72,7 +73,8 @@ class DraftProposer:
             config.suffix_decoding_max_cached_bytes_per_tenant,
             config.suffix_decoding_max_cached_bytes,
         )
-        self.step_cost = StepCost()
+        price = config.draft_row_price
+        self.step_cost = StepCost() if price is None else FixedStepCost(price)
         self._row_price: float | None = None  # of the step being scheduled
 
     def is_enabled(self, num_running_seqs: int) -> bool:

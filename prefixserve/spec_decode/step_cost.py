@@ -9,6 +9,9 @@ worth the step's time per row ``t(R) / R``. ``row_price(R)`` is their ratio, ``b
 
 Until the steps seen span at least two row counts (the fit is undetermined) ``row_price`` is
 None: the proposer then drafts as if rows were free, and its verify steps supply the spread.
+
+``FixedStepCost`` prices every row the same and ignores the steps' times
+(``speculative_config.draft_row_price``): drafting then does not depend on timing.
 """
 
 from __future__ import annotations
@@ -45,3 +48,16 @@ class StepCost:
         a, b = fit
         total = a + b * rows
         return b * rows / total if total > 0 else None
+
+
+class FixedStepCost:
+    """``StepCost``'s interface with a fixed ``row_price``; the steps observed change nothing."""
+
+    def __init__(self, price: float) -> None:
+        self.price = price
+
+    def observe(self, rows: int, seconds: float) -> None:
+        pass
+
+    def row_price(self, rows: int) -> float:
+        return self.price
