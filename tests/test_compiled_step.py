@@ -71,8 +71,9 @@ def test_forked_samples_and_grammars_equal_eager(engines):
 
 def test_speculative_decoding_equals_eager(tmp_path):
     folder = make_checkpoint("llama", tmp_path / "llama", seed=4)
+    # draft_row_price fixed: both engines draft alike, whatever their steps take
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
-            "draft_row_price": 0.0}  # both engines draft alike, whatever their steps take
+            "draft_row_price": 0.0}  # fmt: skip
     compiled, eager = _pair(folder, speculative_config=spec)
     repeat = [[7, 8, 9, 10] * 6, [3, 4, 5] * 8]  # n-grams the proposer finds
     params = SamplingParams(max_tokens=20, temperature=0.0, logprobs=1, ignore_eos=True)
