@@ -44,12 +44,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixserve.api.frontend.protocol import APIError
-from prefixserve.engine import EngineStats, LLMEngine
-from prefixserve.errors import StepFailedError
+from prefixserve.core.errors import StepFailedError
+from prefixserve.core.outputs import RequestOutput
+from prefixserve.core.sampling_params import BeamSearchParams, SamplingParams
+from prefixserve.engine.llm_engine import EngineStats, LLMEngine
+from prefixserve.engine.preprocessor import PreparedRequest
 from prefixserve.kv.retention import KVRetention
-from prefixserve.outputs import RequestOutput
-from prefixserve.preprocessor import PreparedRequest
-from prefixserve.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from prefixserve.api.async_engine import RequestStream
+    from prefixserve.core.sampling_params import BeamSearchParams, SamplingParams
+    from prefixserve.engine.preprocessor import PreparedRequest
     from prefixserve.kv.retention import KVRetention
-    from prefixserve.preprocessor import PreparedRequest
-    from prefixserve.sampling_params import BeamSearchParams, SamplingParams
 
 
 class EngineClient(Protocol):

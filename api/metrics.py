@@ -21,8 +21,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from prefixserve.engine import EngineStats
-from prefixserve.outputs import RequestOutput
+from prefixserve.core.outputs import RequestOutput
+from prefixserve.engine.llm_engine import EngineStats
 
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "tool_calls")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)

@@ -64,9 +64,9 @@ from prefixserve.api.openai.responses.store import (
 )
 from prefixserve.api.openai.responses.tools import HOSTED_POLICIES
 from prefixserve.api.openai.responses.websocket import serve_websocket
-from prefixserve.chat_template import CONTENT_FORMATS, render_chat
-from prefixserve.engine import LLMEngine
-from prefixserve.errors import CacheCapacityError, InvalidArgumentError
+from prefixserve.core.errors import CacheCapacityError, InvalidArgumentError
+from prefixserve.engine.chat_template import CONTENT_FORMATS, render_chat
+from prefixserve.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class ServerConfig:
     (None: no limit). ``shutdown_grace_seconds``: how long a drain waits for requests in flight.
     ``require_cache_salt``: refuse requests without a ``cache_salt``.
     ``chat_template_content_format``: how message content reaches the chat template (``auto``,
-    ``string``, ``openai``; see ``prefixserve.chat_template``).
+    ``string``, ``openai``; see ``prefixserve.engine.chat_template``).
     ``responses_store_*``: the bounds of the Responses store (entries, bytes, seconds; per
     tenant: entries, bytes, None for the global bound) and its SQLite file (``:memory:``: none).
     ``api_key``, ``api_keys`` (key -> tenant name): the keys accepted on /v1 (``frontend.tenancy``);
@@ -419,7 +419,7 @@ def run_server(
     """
     import uvicorn
 
-    from prefixserve.config import EngineConfig
+    from prefixserve.core.config import EngineConfig
 
     # built on the thread that will step it (AsyncEngine.launch: one OpenMP team)
     engine = AsyncEngine.launch(lambda: LLMEngine(EngineConfig(**engine_kwargs)))

@@ -28,10 +28,10 @@ import torch
 import transformers
 from workloads import RESULTS_DIR
 
-from prefixserve.config import EngineConfig
-from prefixserve.engine import LLMEngine
+from prefixserve.core.config import EngineConfig
+from prefixserve.core.sampling_params import SamplingParams
+from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.models.random_checkpoint import tokenizer_fields, write_random_checkpoint
-from prefixserve.sampling_params import SamplingParams
 
 DEFAULT_MODEL_DIR = RESULTS_DIR / "bench-model"
 SHAPE = {

@@ -49,9 +49,9 @@ from pathlib import Path
 from bench_model import DEFAULT_MODEL_DIR, ensure_checkpoint, machine, make_engine, set_threads
 from workloads import RESULTS_DIR, random_tokens
 
-from prefixserve.engine import LLMEngine
+from prefixserve.core.sampling_params import SamplingParams
+from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.kv.retention import KVRetention
-from prefixserve.sampling_params import SamplingParams
 
 GIB = 1 << 30
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # server helpers

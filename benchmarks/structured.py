@@ -46,8 +46,8 @@ from bench_model import (
 from report import write_json
 from workloads import parse_sizes, random_tokens
 
-from prefixserve.engine import LLMEngine
-from prefixserve.sampling_params import SamplingParams
+from prefixserve.core.sampling_params import SamplingParams
+from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.structured_outputs.manager import StructuredOutputManager
 from prefixserve.structured_outputs.params import StructuredOutputsParams
 from prefixserve.structured_outputs.tool_calls import parse_tool_calls, tool_call_params

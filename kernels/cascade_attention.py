@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from prefixserve.kernels.attention_common import (
     PagedLaunch,
     attend_paged,

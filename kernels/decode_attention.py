@@ -28,10 +28,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from prefixserve.kernels.attention_common import (
     PagedLaunch,
     attend_paged,
-    head_block,
     load_rows,
     split_lse,
     split_range,

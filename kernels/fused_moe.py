@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from prefixserve.kernels.attention_common import dot_operands
 
 

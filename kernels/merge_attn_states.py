@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from prefixserve.kernels.attention_common import LN2, head_block, load_rows
 
 

@@ -1,4 +1,4 @@
-from prefixserve.cli import main
+from prefixserve.entrypoints.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

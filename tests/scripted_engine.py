@@ -22,8 +22,8 @@ from fastapi.testclient import TestClient
 
 from prefixserve.api.async_engine import EngineOverloadedError, RequestStream
 from prefixserve.api.server import ServerConfig, build_app
+from prefixserve.core.outputs import CompletionOutput, RequestOutput
 from prefixserve.models.builtin import builtin_tokenizer
-from prefixserve.outputs import CompletionOutput, RequestOutput
 
 
 @dataclass

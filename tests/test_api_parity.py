@@ -16,8 +16,8 @@ from checkpoints import hf_logits, load_hf_model, make_checkpoint
 from servers import server_process
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.chat_template import detect_content_format, render_chat
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
+from prefixserve.engine.chat_template import detect_content_format, render_chat
 from prefixserve.models.builtin import builtin_tokenizer
 
 MODEL = "parity-model"

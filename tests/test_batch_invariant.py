@@ -9,7 +9,7 @@ import pytest
 from checkpoints import make_checkpoint
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.kernels import cpu_ops
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ toolchain")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.kv.block_pool import BlockPool, KVBlock
 
 

@@ -1,4 +1,4 @@
-"""Compiled CPU decode steps (``prefixserve.compiled_step``) against eager steps on the same
+"""Compiled CPU decode steps (``prefixserve.runner.compiled_step``) against eager steps on the same
 checkpoint: the same tokens and the same logprobs, to the bit (the compiled graph keeps every
 reduction in the eager kernels), under prefix caching, chunked prefill, preemption, forks,
 grammars and speculation; the graphs compile at start-up and never again; a failed capture
@@ -14,8 +14,8 @@ from checkpoints import make_checkpoint
 from torch._dynamo.utils import counters
 
 from prefixserve import LLM, SamplingParams, StructuredOutputsParams
-from prefixserve.compiled_step import CompiledStepRunner
 from prefixserve.kernels import cpu_ops
+from prefixserve.runner.compiled_step import CompiledStepRunner
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ toolchain")
 
@@ -101,7 +101,7 @@ def test_a_failed_capture_leaves_an_eager_engine(tmp_path, monkeypatch, caplog):
         raise RuntimeError("no compiler today")
 
     monkeypatch.setattr(CompiledStepRunner, "capture", broken)
-    with caplog.at_level(logging.WARNING, logger="prefixserve.model_runner"):
+    with caplog.at_level(logging.WARNING, logger="prefixserve.runner.model_runner"):
         llm = LLM(str(folder), enforce_eager=False, **ENGINE)
     assert llm.llm_engine.runner.decode_replay is None
     assert [r.message for r in caplog.records if "eagerly" in r.message]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from prefixserve.config import EngineConfig
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.config import EngineConfig
+from prefixserve.core.errors import InvalidArgumentError
 
 
 def test_max_model_len_defaults_to_the_models_positions() -> None:

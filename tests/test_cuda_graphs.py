@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps (``prefixserve.cuda_graphs``).
+"""CUDA graphs for decode steps (``prefixserve.runner.cuda_graphs``).
 
 On CPU there are no graphs: ``CUDAGraphRunner.capture`` records the static-buffer forward itself,
 so the padding logic (slot -1 and seq_len 0 for padded rows, block tables in a fixed-width
@@ -18,8 +18,8 @@ pytest.importorskip("triton")
 from prefixserve import LLM, SamplingParams
 from prefixserve.attention.metadata import SeqSpan, build_attention_metadata
 from prefixserve.attention.triton_backend import TritonAttentionBackend
-from prefixserve.cuda_graphs import CUDAGraphRunner, capture_sizes
 from prefixserve.models.loader import load_model
+from prefixserve.runner.cuda_graphs import CUDAGraphRunner, capture_sizes
 
 BLOCK = 8
 
@@ -269,8 +269,8 @@ def test_cascade_steps_run_eagerly_under_graphs(qwen3, monkeypatch):
 
 
 def test_graphs_are_off_without_cuda_and_with_enforce_eager(qwen3):
-    from prefixserve.config import EngineConfig
-    from prefixserve.errors import InvalidArgumentError
+    from prefixserve.core.config import EngineConfig
+    from prefixserve.core.errors import InvalidArgumentError
 
     with pytest.raises(InvalidArgumentError, match="enforce_eager"):
         EngineConfig(enforce_eager="yes")

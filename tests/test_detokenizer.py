@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from prefixserve.detokenizer import IncrementalDetokenizer
+from prefixserve.core.detokenizer import IncrementalDetokenizer
 
 EOS = "<|endoftext|>"
 

@@ -8,7 +8,7 @@ import torch
 from checkpoints import hf_generate_no_eos, load_hf_model, make_checkpoint
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.errors import CacheCapacityError, InvalidArgumentError, PromptTooLongError
+from prefixserve.core.errors import CacheCapacityError, InvalidArgumentError, PromptTooLongError
 
 BLOCK = 16
 PROMPT_LENS = (1, 15, 16, 17, 31, 32, 33, 50)

@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from prefixserve.config import EngineConfig
-from prefixserve.engine_args import add_engine_args, engine_kwargs
+from prefixserve.core.config import EngineConfig
+from prefixserve.entrypoints.engine_args import add_engine_args, engine_kwargs
 
 
 def _parse(*argv: str, positional: bool = False) -> argparse.Namespace:

@@ -14,7 +14,6 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from prefixserve.kernels.fused_moe import align_pairs, fused_moe
-
 from prefixserve.models.moe import grouped_experts, select_experts
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

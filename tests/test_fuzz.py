@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from servers import MODEL, free_port
 
 from prefixserve.api.server import ServerConfig, create_app
-from prefixserve.config import EngineConfig
-from prefixserve.engine import LLMEngine
+from prefixserve.core.config import EngineConfig
+from prefixserve.engine.llm_engine import LLMEngine
 
 MIN_CASES = 500
 EXAMPLES_PER_POST = 130  # 6 POST operations; the GET ones add a few more

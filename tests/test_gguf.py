@@ -14,7 +14,7 @@ from gguf.quants import dequantize, quantize
 from gguf_files import write_gguf
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.errors import ModelLoadError, UnsupportedModelError
+from prefixserve.core.errors import ModelLoadError, UnsupportedModelError
 from prefixserve.models.builtin import builtin_tokenizer
 from prefixserve.models.gguf_blocks import read_int4, read_int8
 from prefixserve.models.gguf_loader import GGUFCheckpoint, gguf_tokenizer

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from prefixserve import LLM, SamplingParams, TextPrompt, TokensPrompt
-from prefixserve.errors import InvalidArgumentError
-from prefixserve.inputs import parse_prompts
+from prefixserve.core.errors import InvalidArgumentError
+from prefixserve.core.inputs import parse_prompts
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from prefixserve.kernels.int4_matmul import int4_matmul
 
+from prefixserve.kernels.int4_matmul import int4_matmul
 from prefixserve.models.linear import TritonInt4
 from prefixserve.models.quantization import quantize_int4
 

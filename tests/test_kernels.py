@@ -19,12 +19,11 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
+from prefixserve.attention.metadata import AttentionMetadata, SeqSpan, build_attention_metadata
+from prefixserve.attention.triton_backend import TritonAttentionBackend
 from prefixserve.kernels.decode_attention import decode_attention
 from prefixserve.kernels.extend_attention import extend_attention
 from prefixserve.kernels.kv_store import store_kv_cache
-
-from prefixserve.attention.metadata import AttentionMetadata, SeqSpan, build_attention_metadata
-from prefixserve.attention.triton_backend import TritonAttentionBackend
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NUM_KV_HEADS = 2
@@ -284,7 +283,7 @@ def test_backend_forward_mixed_batch(
 def test_backend_unavailable_without_interpreter() -> None:
     code = (
         "from prefixserve.attention.triton_backend import check_triton_available\n"
-        "from prefixserve.errors import BackendUnavailableError\n"
+        "from prefixserve.core.errors import BackendUnavailableError\n"
         "try:\n"
         "    check_triton_available('cpu')\n"
         "except BackendUnavailableError as e:\n"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.kv import hashing
 from prefixserve.kv.hashing import extend_block_hashes
 from prefixserve.kv.kv_cache_manager import KVCacheManager, PrefixHit

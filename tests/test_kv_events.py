@@ -17,11 +17,11 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.kv.hashing import extend_block_hashes
 from prefixserve.kv.kv_cache_manager import KVCacheManager
-from prefixserve.kv_event_publisher import KVEventPublisher, KVEventSubscriber
-from prefixserve.kv_events import (
+from prefixserve.kv.kv_event_publisher import KVEventPublisher, KVEventSubscriber
+from prefixserve.kv.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

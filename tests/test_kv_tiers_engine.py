@@ -18,11 +18,11 @@ from checkpoints import make_checkpoint
 from valkey_server import ValkeyProcess
 
 from prefixserve import LLM, SamplingParams
+from prefixserve.kv.kv_event_publisher import KVEventSubscriber
+from prefixserve.kv.kv_events import BlockStored
 from prefixserve.kv.retention import KVRetention
 from prefixserve.kv.tiers.base import TierUnavailableError
 from prefixserve.kv.tiers.disk import DiskTier
-from prefixserve.kv_event_publisher import KVEventSubscriber
-from prefixserve.kv_events import BlockStored
 from prefixserve.structured_outputs.params import StructuredOutputsParams
 
 BLOCK = 16

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.kernels import cpu_ops
 from prefixserve.models.linear import (
     Dense,

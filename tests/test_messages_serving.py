@@ -16,7 +16,7 @@ from prefixserve.api.anthropic.protocol import MessagesRequest
 from prefixserve.api.frontend.inputs import EngineInputs
 from prefixserve.api.frontend.protocol import APIError, ToolRequest
 from prefixserve.api.parsing.reply import ToolMode
-from prefixserve.outputs import CompletionOutput, RequestOutput
+from prefixserve.core.outputs import CompletionOutput, RequestOutput
 
 PROMPT = list(range(40))
 
@@ -138,7 +138,7 @@ def test_no_forcing_without_the_option():
 
 
 def test_cli_options():
-    from prefixserve.cli import build_parser
+    from prefixserve.entrypoints.cli import build_parser
 
     parse = build_parser().parse_args
     args = parse(["serve", "--messages-force-tool-call", json.dumps(FORCE)])

@@ -12,7 +12,7 @@ from prefixserve.api.anthropic.protocol import anthropic_error, is_messages_path
 from prefixserve.api.frontend.protocol import APIError
 from prefixserve.api.parsing.reasoning import reasoning_parser
 from prefixserve.api.parsing.reply import Finish, ReplyParser, ToolMode
-from prefixserve.outputs import CompletionOutput, RequestOutput
+from prefixserve.core.outputs import CompletionOutput, RequestOutput
 
 CALL = '<tool_call>\n{"name": "Bash", "arguments": {"command": "echo hi"}}\n</tool_call>'
 FORCED = (

@@ -13,7 +13,7 @@ from checkpoints import ARCHS, hf_logits, load_hf_model, make_checkpoint
 
 from prefixserve.attention.metadata import SeqSpan, build_attention_metadata
 from prefixserve.attention.torch_backend import TorchAttentionBackend
-from prefixserve.errors import ModelLoadError, UnsupportedModelError
+from prefixserve.core.errors import ModelLoadError, UnsupportedModelError
 from prefixserve.models import (
     BUILTIN_MODEL_NAME,
     SUPPORTED_ARCHITECTURES,

@@ -18,7 +18,7 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_moe
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.attention.torch_backend import TorchAttentionBackend
-from prefixserve.errors import ModelLoadError
+from prefixserve.core.errors import ModelLoadError
 from prefixserve.models import ModelConfig, load_model
 from prefixserve.models.llama import MLP, LlamaForCausalLM
 from prefixserve.models.moe import SparseMoeBlock, map_expert_name, select_experts

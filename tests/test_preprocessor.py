@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from prefixserve import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
-from prefixserve.config import EngineConfig
-from prefixserve.errors import InvalidArgumentError, PromptTooLongError
+from prefixserve.core.config import EngineConfig
+from prefixserve.core.errors import InvalidArgumentError, PromptTooLongError
+from prefixserve.engine.preprocessor import PreparedRequest, RequestPreprocessor, StepLimits
 from prefixserve.models.builtin import builtin_tokenizer
-from prefixserve.preprocessor import PreparedRequest, RequestPreprocessor, StepLimits
 from prefixserve.structured_outputs.manager import StructuredOutputManager
 
 TOKENIZER = builtin_tokenizer()

@@ -12,9 +12,9 @@ from checkpoints import make_checkpoint
 from gguf import GGMLQuantizationType as Q
 from gguf_files import write_gguf
 
-from prefixserve.cli import build_parser, engine_kwargs
-from prefixserve.config import EngineConfig
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.config import EngineConfig
+from prefixserve.core.errors import InvalidArgumentError
+from prefixserve.entrypoints.cli import build_parser, engine_kwargs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 

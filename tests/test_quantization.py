@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.models.quantization import (
     GROUP_SIZE,
     Int4Weight,

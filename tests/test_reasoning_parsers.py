@@ -12,7 +12,7 @@ from prefixserve.api.parsing.reasoning import (
     reasoning_parser,
     starts_in_reasoning,
 )
-from prefixserve.chat_template import render_chat
+from prefixserve.engine.chat_template import render_chat
 
 USER = [{"role": "user", "content": "Is 7 prime?"}]
 

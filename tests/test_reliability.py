@@ -23,8 +23,8 @@ from servers import MODEL, metric, scrape, server_process
 from prefixserve import LLM, SamplingParams
 from prefixserve.api.async_engine import AsyncEngine, EngineOverloadedError
 from prefixserve.api.server import ServerConfig, create_app
-from prefixserve.config import EngineConfig
-from prefixserve.engine import LLMEngine
+from prefixserve.core.config import EngineConfig
+from prefixserve.engine.llm_engine import LLMEngine
 
 
 @asynccontextmanager

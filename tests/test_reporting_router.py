@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from prefixserve.sampling_params import SamplingParams
+from prefixserve.core.sampling_params import SamplingParams
 from prefixserve.scale_out.cluster import ClusterView
 from prefixserve.scale_out.protocol import EngineRequest, ReplicaReport
 from prefixserve.scale_out.reporting_router import ReportingRouter, engine_request

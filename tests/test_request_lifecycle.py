@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from test_scheduler import BS, EOS, make_request
 
-from prefixserve.beam_search import BeamStep
-from prefixserve.config import EngineConfig
+from prefixserve.core.config import EngineConfig
+from prefixserve.core.sampling_params import BeamSearchParams
+from prefixserve.core.scheduler_output import ScheduledSeq, SchedulerOutput
+from prefixserve.engine.request_lifecycle import RequestLifecycle
+from prefixserve.engine.stop_checker import StopChecker
 from prefixserve.kv.kv_cache_manager import KVCacheManager
-from prefixserve.request_lifecycle import RequestLifecycle
-from prefixserve.sampling_params import BeamSearchParams
-from prefixserve.sampling_step import SampledToken, SamplingResult
-from prefixserve.scheduler_output import ScheduledSeq, SchedulerOutput
-from prefixserve.stop_checker import StopChecker
+from prefixserve.sample.beam_search import BeamStep
+from prefixserve.sample.sampling_step import SampledToken, SamplingResult
 
 
 def make_lifecycle(num_blocks: int = 16, **config) -> RequestLifecycle:

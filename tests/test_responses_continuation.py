@@ -8,7 +8,7 @@ import pytest
 
 from prefixserve.api.openai.responses.continuation import continue_prompt, render_prompt
 from prefixserve.api.openai.responses.items import normalize_input, to_messages
-from prefixserve.chat_template import render_chat_text
+from prefixserve.engine.chat_template import render_chat_text
 from prefixserve.models.builtin import CHAT_TEMPLATE, EOS, IM_END, builtin_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -9,7 +9,7 @@ from array import array
 import pytest
 
 from prefixserve.api.openai.responses.store import Record, ResponseStore
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 
 
 class Clock:

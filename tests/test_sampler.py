@@ -9,16 +9,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixserve.logits_processors import apply_penalties, process_logits
-from prefixserve.sampler import (
+from prefixserve.core.sampling_params import SamplingParams
+from prefixserve.sample.logits_processors import apply_penalties, process_logits
+from prefixserve.sample.sampler import (
     Sampler,
     apply_top_k,
     filtered_probs,
     min_p_drop_mask,
     top_p_drop_mask,
 )
-from prefixserve.sampling_metadata import SamplingMetadata
-from prefixserve.sampling_params import SamplingParams
+from prefixserve.sample.sampling_metadata import SamplingMetadata
 
 NEG_INF = float("-inf")
 

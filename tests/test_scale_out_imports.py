@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "prefixserve"
 CHECKED = sorted(
-    ["prefixserve.cli", "prefixserve.engine_args"]
+    ["prefixserve.entrypoints.cli", "prefixserve.entrypoints.engine_args"]
     + [f"prefixserve.scale_out.{p.stem}" for p in (PACKAGE / "scale_out").glob("*.py")
        if p.stem != "__init__"]
 )  # fmt: skip
@@ -61,8 +61,8 @@ def test_the_cycle_finder_finds_a_circle_through_a_lazy_import(tmp_path: Path) -
     assert _cycle_through(graph, "a") == ["a", "b", "c", "a"]
     assert _cycle_through(graph, "d") is None
     probe = tmp_path / "probe.py"
-    probe.write_text("def f():\n    from prefixserve.cli import engine_kwargs\n")
-    assert _imports(probe) == {"prefixserve.cli", "prefixserve.cli.engine_kwargs"}
+    probe.write_text("def f():\n    from prefixserve.entrypoints.cli import engine_kwargs\n")
+    assert _imports(probe) == {"prefixserve.entrypoints.cli", "prefixserve.entrypoints.cli.engine_kwargs"}
 
 
 @pytest.mark.parametrize("module", CHECKED)

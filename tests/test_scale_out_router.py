@@ -14,19 +14,19 @@ import pytest
 
 from prefixserve.api.openai.responses.continuation import continue_prompt, render_prompt
 from prefixserve.api.openai.responses.items import normalize_input, to_messages
-from prefixserve.chat_template import render_chat_text
-from prefixserve.config import EngineConfig
-from prefixserve.engine import LLMEngine
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.config import EngineConfig
+from prefixserve.core.errors import InvalidArgumentError
+from prefixserve.core.sampling_params import SamplingParams
+from prefixserve.engine.chat_template import render_chat_text
+from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.kv.hashing import extend_block_hashes
-from prefixserve.kv_event_publisher import KVEventPublisher
-from prefixserve.kv_events import (
+from prefixserve.kv.kv_event_publisher import KVEventPublisher
+from prefixserve.kv.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     external_block_hash,
 )
-from prefixserve.sampling_params import SamplingParams
 from prefixserve.scale_out import router
 from prefixserve.scale_out.event_follower import EventFollower
 from prefixserve.scale_out.protocol import EngineRequest, KVEventsEndpoint, ReplicaReport

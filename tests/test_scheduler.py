@@ -8,17 +8,17 @@ import time
 
 import pytest
 
-from prefixserve.config import EngineConfig
-from prefixserve.detokenizer import IncrementalDetokenizer
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.config import EngineConfig
+from prefixserve.core.detokenizer import IncrementalDetokenizer
+from prefixserve.core.errors import InvalidArgumentError
+from prefixserve.core.sampling_params import SamplingParams
+from prefixserve.core.scheduler_output import SchedulerOutput
+from prefixserve.core.sequence import Request, RequestStatus, Sequence
+from prefixserve.engine.scheduler import AGING_TOKENS_PER_SECOND, Scheduler
+from prefixserve.engine.stop_checker import StopChecker
 from prefixserve.kv.kv_cache_manager import KVCacheManager
 from prefixserve.models.builtin import builtin_tokenizer
-from prefixserve.sampling_params import SamplingParams
-from prefixserve.sampling_step import SampledToken, SamplingResult
-from prefixserve.scheduler import AGING_TOKENS_PER_SECOND, Scheduler
-from prefixserve.scheduler_output import SchedulerOutput
-from prefixserve.sequence import Request, RequestStatus, Sequence
-from prefixserve.stop_checker import StopChecker
+from prefixserve.sample.sampling_step import SampledToken, SamplingResult
 
 BS = 4
 EOS = 1

@@ -15,8 +15,8 @@ from test_reliability import inprocess, sse_events, wait_idle
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.api.server import ServerConfig
-from prefixserve.cli import build_parser
-from prefixserve.errors import ModelLoadError
+from prefixserve.core.errors import ModelLoadError
+from prefixserve.entrypoints.cli import build_parser
 
 
 def test_api_key_is_compared_in_constant_time(monkeypatch):

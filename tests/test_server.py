@@ -330,8 +330,8 @@ def test_engine_death_makes_health_503():
     from fastapi.testclient import TestClient
 
     from prefixserve.api.server import ServerConfig, create_app
-    from prefixserve.config import EngineConfig
-    from prefixserve.engine import LLMEngine
+    from prefixserve.core.config import EngineConfig
+    from prefixserve.engine.llm_engine import LLMEngine
 
     llm_engine = LLMEngine(EngineConfig(num_kv_blocks=64, max_model_len=256))
 

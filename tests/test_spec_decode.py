@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from prefixserve.config import EngineConfig
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.config import EngineConfig
+from prefixserve.core.errors import InvalidArgumentError
+from prefixserve.core.sampling_params import BeamSearchParams, SamplingParams
+from prefixserve.core.sequence import Request, Sequence
 from prefixserve.kv.kv_cache_manager import KVCacheManager
-from prefixserve.sampling_params import BeamSearchParams, SamplingParams
-from prefixserve.sequence import Request, Sequence
 from prefixserve.spec_decode.config import SpeculativeConfig
 from prefixserve.spec_decode.metrics import SpecDecodeStats
 from prefixserve.spec_decode.ngram import match_ngram

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixserve import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
-from prefixserve.errors import InvalidArgumentError, StepFailedError
+from prefixserve.core.errors import InvalidArgumentError, StepFailedError
 from prefixserve.kv.hashing import extend_block_hashes
 from tests.checkpoints import make_checkpoint
 from tests.copy_checkpoint import make_counting_checkpoint

@@ -11,7 +11,7 @@ import torch
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.api.async_engine import AsyncEngine, RequestFailedError
-from prefixserve.errors import StepFailedError
+from prefixserve.core.errors import StepFailedError
 from prefixserve.kv.hashing import extend_block_hashes
 from prefixserve.kv.kv_cache_manager import KVCacheManager
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.models.builtin import builtin_model_config, builtin_tokenizer
 from prefixserve.structured_outputs.manager import StructuredOutputManager
 from prefixserve.structured_outputs.params import StructuredOutputsParams

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from prefixserve import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 
 PERSON = {
     "type": "object",

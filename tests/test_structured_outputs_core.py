@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 import torch
 
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.models.builtin import builtin_model_config, builtin_tokenizer
 from prefixserve.structured_outputs.grammar import Grammar, allocate_bitmask, apply_bitmask
 from prefixserve.structured_outputs.manager import StructuredOutputManager

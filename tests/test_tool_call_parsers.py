@@ -11,8 +11,8 @@ import pytest
 from families import family_tokenizer
 
 from prefixserve.api.parsing.tool_calls import TOOL_CALL_PARSERS, ParsedCall, tool_call_parser
-from prefixserve.chat_template import render_chat
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
+from prefixserve.engine.chat_template import render_chat
 from prefixserve.structured_outputs.manager import StructuredOutputManager
 from prefixserve.structured_outputs.tool_calls import tool_call_params
 

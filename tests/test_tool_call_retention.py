@@ -13,8 +13,8 @@ from prefixserve.api.frontend.tenancy import Tenant
 from prefixserve.api.frontend.tool_call_retention import ToolCallRetention, session_of
 from prefixserve.api.openai.prompt_cache import DAY_S, retention_of
 from prefixserve.api.parsing.reply import Finish, TextDelta, ToolCallDelta, first_call
-from prefixserve.outputs import CompletionOutput
-from prefixserve.sampling_params import SamplingParams
+from prefixserve.core.outputs import CompletionOutput
+from prefixserve.core.sampling_params import SamplingParams
 
 
 class RecordingEngine:

@@ -11,8 +11,8 @@ import pytest
 import xgrammar as xgr
 from families import family_tokenizer
 
-from prefixserve.chat_template import render_chat, takes_string_arguments
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
+from prefixserve.engine.chat_template import render_chat, takes_string_arguments
 from prefixserve.models.builtin import CHAT_TEMPLATE, builtin_tokenizer
 from prefixserve.structured_outputs.manager import StructuredOutputManager, build_tokenizer_info
 from prefixserve.structured_outputs.params import StructuredOutputsParams

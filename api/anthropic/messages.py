@@ -50,7 +50,7 @@ from prefixserve.api.frontend.tenancy import tenant_of
 from prefixserve.api.frontend.thinking_budget import BudgetedStream
 from prefixserve.api.openai.protocol import ChatCompletionRequest
 from prefixserve.api.parsing.reply import Finish
-from prefixserve.outputs import CompletionOutput, RequestOutput
+from prefixserve.core.outputs import CompletionOutput, RequestOutput
 
 PING_INTERVAL_S = 10.0
 FIRST_OUTPUT_WAIT_S = 30.0

@@ -34,10 +34,10 @@ from prefixserve.api.parsing.reasoning import (
     reasoning_tags,
 )
 from prefixserve.api.parsing.reply import ReplyParser, ToolMode, forced_syntax
-from prefixserve.chat_template import render_chat
-from prefixserve.errors import InvalidArgumentError
-from prefixserve.outputs import CompletionOutput
-from prefixserve.sampling_params import BeamSearchParams, SamplingParams
+from prefixserve.core.errors import InvalidArgumentError
+from prefixserve.core.outputs import CompletionOutput
+from prefixserve.core.sampling_params import BeamSearchParams, SamplingParams
+from prefixserve.engine.chat_template import render_chat
 from prefixserve.structured_outputs.params import StructuredOutputsParams
 from prefixserve.structured_outputs.tool_calls import optional_tool_call_params, tool_call_params
 

@@ -19,9 +19,9 @@ from prefixserve.api.async_engine import RequestStream
 from prefixserve.api.engine_client import EngineClient
 from prefixserve.api.frontend.protocol import APIError
 from prefixserve.api.frontend.tenancy import NO_TENANT, Tenant
-from prefixserve.errors import CacheCapacityError, InvalidArgumentError
-from prefixserve.outputs import RequestOutput
-from prefixserve.sampling_params import BeamSearchParams, SamplingParams
+from prefixserve.core.errors import CacheCapacityError, InvalidArgumentError
+from prefixserve.core.outputs import RequestOutput
+from prefixserve.core.sampling_params import BeamSearchParams, SamplingParams
 from prefixserve.structured_outputs.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)

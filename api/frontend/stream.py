@@ -27,7 +27,7 @@ from fastapi.responses import StreamingResponse
 
 from prefixserve.api.async_engine import RequestStream
 from prefixserve.api.frontend.protocol import APIError
-from prefixserve.outputs import CompletionOutput, RequestOutput
+from prefixserve.core.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from prefixserve.api.frontend.protocol import APIError
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.structured_outputs.params import StructuredOutputsParams
 
 _GUIDED = {

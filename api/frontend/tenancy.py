@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixserve.api.frontend.protocol import APIError
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 
 
 def _digest(text: str) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 from prefixserve.api.async_engine import RequestStream
 from prefixserve.api.engine_client import EngineClient
 from prefixserve.api.parsing.reasoning import THINK_END, reasoning_parser
-from prefixserve.outputs import CompletionOutput, RequestOutput
+from prefixserve.core.outputs import CompletionOutput, RequestOutput
 
 
 class BudgetedStream:

@@ -25,8 +25,8 @@ import logging
 from collections.abc import Coroutine, Iterable
 from typing import TYPE_CHECKING, Any
 
+from prefixserve.core.outputs import CompletionOutput
 from prefixserve.kv.retention import KVRetention
-from prefixserve.outputs import CompletionOutput
 
 if TYPE_CHECKING:
     from prefixserve.api.engine_client import EngineClient

@@ -49,7 +49,7 @@ from prefixserve.api.parsing.reply import (
     first_call,
     fold,
 )
-from prefixserve.outputs import CompletionOutput, RequestOutput
+from prefixserve.core.outputs import CompletionOutput, RequestOutput
 
 
 class ChatServing(TemplateServing):

@@ -11,7 +11,7 @@ from typing import Any
 from prefixserve.api.async_engine import RequestStream
 from prefixserve.api.frontend.stream import IDLE, drive
 from prefixserve.api.openai.protocol import PromptTokensDetails, Usage
-from prefixserve.outputs import RequestOutput
+from prefixserve.core.outputs import RequestOutput
 
 
 def sse(obj: dict | str) -> str:

@@ -21,7 +21,7 @@ from prefixserve.api.frontend.tenancy import tenant_of
 from prefixserve.api.openai.chunks import chunk_stream, usage_of
 from prefixserve.api.openai.field_support import check_supported
 from prefixserve.api.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse
-from prefixserve.outputs import CompletionOutput, RequestOutput
+from prefixserve.core.outputs import CompletionOutput, RequestOutput
 
 
 class CompletionServing(BaseServing):

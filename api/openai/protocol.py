@@ -14,7 +14,7 @@ from typing import Any, Generic, Literal, TypeVar
 from pydantic import BaseModel, Field
 
 from prefixserve.api.frontend.protocol import APIError, Lenient, ToolRequest, random_id
-from prefixserve.sampling_params import MAX_LOGPROBS
+from prefixserve.core.sampling_params import MAX_LOGPROBS
 
 MAX_N = 16
 """Most choices (``n``, or beams) one request may ask for."""

@@ -45,7 +45,7 @@ import matplotlib.pyplot as plt
 from workloads import DISTRIBUTIONS, MAX_MODEL_LEN, build_requests, parse_run_options, write_report
 
 from prefixserve import LLM, BeamSearchParams, SamplingParams
-from prefixserve.engine import LLMEngine
+from prefixserve.engine.llm_engine import LLMEngine
 
 BLOCK_SIZE = 16
 WIDTHS = (2, 4, 6)

@@ -46,7 +46,7 @@ import matplotlib.pyplot as plt
 from workloads import MAX_MODEL_LEN, SHAREGPT, build_requests, parse_run_options, write_report
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.engine import LLMEngine
+from prefixserve.engine.llm_engine import LLMEngine
 
 BLOCK_SIZES = (8, 16, 32)
 BASELINE_BLOCK_SIZE = 16

@@ -1,6 +1,6 @@
 """Attention (and MoE routing) as opaque ops inside a compiled decode step.
 
-A compiled decode step (``prefixserve.compiled_step``) is one ``torch.compile``d graph per
+A compiled decode step (``prefixserve.runner.compiled_step``) is one ``torch.compile``d graph per
 batch-size bucket. Attention and the K/V write depend on per-step paged metadata (block tables,
 context lengths) that would change the graph every step, so inside the graph they are one custom
 op, ``prefixserve::step_attention(q, k, v, layer, scale)``, whose body is the eager backend's

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from prefixserve.attention.backend import AttentionBackend
-from prefixserve.errors import BackendUnavailableError, InvalidArgumentError
+from prefixserve.core.errors import BackendUnavailableError, InvalidArgumentError
 
 
 def get_attention_backend(

@@ -41,7 +41,7 @@ import torch
 
 from prefixserve.attention.backend import AttentionBackend
 from prefixserve.attention.metadata import AttentionMetadata
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.kernels import cpu_ops
 from prefixserve.kernels.cpu_attention import paged_attention, token_contexts
 

@@ -43,7 +43,7 @@ import torch
 
 from prefixserve.attention.backend import AttentionBackend
 from prefixserve.attention.metadata import AttentionMetadata
-from prefixserve.errors import BackendUnavailableError
+from prefixserve.core.errors import BackendUnavailableError
 
 if find_spec("triton") is not None:
     from prefixserve.kernels.block_copy import copy_blocks

@@ -36,12 +36,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.kv.hashing import BlockHash
 from prefixserve.kv.partial_tail import common_prefix_len
 
 if TYPE_CHECKING:
-    from prefixserve.kv_events import KVEventRecorder
+    from prefixserve.kv.kv_events import KVEventRecorder
 
 
 @dataclass(slots=True, eq=False)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from xxhash import xxh3_128_intdigest
 
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 
 BlockHash = int
 ExtraKeys = tuple[Hashable, ...]

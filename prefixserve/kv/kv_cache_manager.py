@@ -56,15 +56,15 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.kv.block_pool import BlockPool, KVBlock
 from prefixserve.kv.hashing import BlockHash, BlockKey, ExtraKeys
 from prefixserve.kv.partial_tail import tail_key
 
 if TYPE_CHECKING:
+    from prefixserve.kv.kv_events import KVEventRecorder
     from prefixserve.kv.retention import KVRetention, RetentionTable
     from prefixserve.kv.tiers.manager import KVTierManager
-    from prefixserve.kv_events import KVEventRecorder
 
 SeqId = Hashable
 RETAINED_SWEEP = 64  # retained blocks out of the pool checked against the tiers per tick

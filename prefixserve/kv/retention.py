@@ -52,7 +52,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from prefixserve.errors import require
+from prefixserve.core.errors import require
 from prefixserve.kv.hashing import BlockHash
 
 TTL_MARGIN = 1.5

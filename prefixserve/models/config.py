@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from prefixserve.errors import ModelLoadError, UnsupportedModelError
+from prefixserve.core.errors import ModelLoadError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from prefixserve.errors import ModelLoadError, UnsupportedModelError
+from prefixserve.core.errors import ModelLoadError, UnsupportedModelError
 from prefixserve.models.config import ModelConfig
 from prefixserve.models.quantization import QuantizedWeight
 

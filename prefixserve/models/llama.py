@@ -36,7 +36,7 @@ from torch import nn
 from prefixserve.attention.backend import AttentionBackend
 from prefixserve.attention.in_graph import IN_GRAPH, InGraph
 from prefixserve.attention.metadata import AttentionMetadata
-from prefixserve.errors import ModelLoadError
+from prefixserve.core.errors import ModelLoadError
 from prefixserve.models.config import ModelConfig
 from prefixserve.models.linear import Linear, finalize_linears
 from prefixserve.models.moe import (

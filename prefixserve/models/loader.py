@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from prefixserve.attention.backend import AttentionBackend
-from prefixserve.errors import InvalidArgumentError, ModelLoadError
+from prefixserve.core.errors import InvalidArgumentError, ModelLoadError
 from prefixserve.models.builtin import (
     BUILTIN_MODEL_NAME,
     builtin_model_config,

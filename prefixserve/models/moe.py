@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixserve.errors import ModelLoadError
+from prefixserve.core.errors import ModelLoadError
 from prefixserve.models.config import MoEConfig
 from prefixserve.models.linear import Linear, LinearKernel, make_kernel
 from prefixserve.models.quantization import GROUP_SIZE, quantize

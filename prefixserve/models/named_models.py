@@ -13,7 +13,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from prefixserve.errors import ModelLoadError
+from prefixserve.core.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 

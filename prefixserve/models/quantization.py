@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 
 QUANTIZATION_METHODS = ("int8", "int4")
 GROUP_SIZE = 32

@@ -33,8 +33,8 @@ from prefixserve.api.frontend.gate import drain
 from prefixserve.api.frontend.protocol import APIError
 from prefixserve.api.metrics import ServerMetrics
 from prefixserve.api.server import ServerConfig, build_app
-from prefixserve.errors import InvalidArgumentError, PrefixServeError, require
-from prefixserve.preprocessor import StepLimits
+from prefixserve.core.errors import InvalidArgumentError, PrefixServeError, require
+from prefixserve.engine.preprocessor import StepLimits
 from prefixserve.scale_out.cluster import ClusterView, cluster_router
 from prefixserve.scale_out.protocol import ACCEPTED, EngineRequest, KVEventsEndpoint, ReplicaReport
 from prefixserve.scale_out.ray_private import request_router_of
@@ -84,8 +84,8 @@ class EngineReplica:
         import ray
         import torch
 
-        from prefixserve.config import EngineConfig
-        from prefixserve.engine import LLMEngine
+        from prefixserve.core.config import EngineConfig
+        from prefixserve.engine.llm_engine import LLMEngine
 
         torch.set_num_threads(scale.torch_threads)
         self.node_ip = ray.util.get_node_ip_address()

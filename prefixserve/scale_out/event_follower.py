@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from prefixserve.kv_event_publisher import KVEventSubscriber
+from prefixserve.kv.kv_event_publisher import KVEventSubscriber
 from prefixserve.scale_out.protocol import KVEventsEndpoint
 from prefixserve.scale_out.router import HashMirror
 

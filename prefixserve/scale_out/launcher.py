@@ -74,8 +74,8 @@ def wants_scale_out(args: argparse.Namespace) -> bool:
 def run_scale_out(args: argparse.Namespace, server_config: Any) -> int:
     """Serve ``args`` on Ray Serve until SIGTERM/SIGINT; 0 after a clean drain, 1 if it could
     not start. ``server_config`` is the ``ServerConfig`` built from the same arguments."""
-    from prefixserve.engine_args import engine_kwargs
-    from prefixserve.errors import InvalidArgumentError
+    from prefixserve.core.errors import InvalidArgumentError
+    from prefixserve.entrypoints.engine_args import engine_kwargs
     from prefixserve.scale_out.router import RouterConfig
 
     try:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from prefixserve.sampling_params import BeamSearchParams, SamplingParams
+from prefixserve.core.sampling_params import BeamSearchParams, SamplingParams
 
 ACCEPTED = "accepted"
 """First item of every ``generate`` stream: the replica's engine accepted the request."""

@@ -27,7 +27,7 @@ from typing import Any
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.scale_out.event_follower import EventFollower
 from prefixserve.scale_out.protocol import ReplicaReport
 from prefixserve.scale_out.ray_private import PowerOfTwoChoicesRequestRouter

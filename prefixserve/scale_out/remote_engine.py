@@ -27,9 +27,9 @@ from typing import Any
 
 from prefixserve.api.async_engine import RETRY_AFTER_SECONDS, EngineOverloadedError, RequestStream
 from prefixserve.api.frontend.protocol import APIError
-from prefixserve.outputs import RequestOutput
-from prefixserve.preprocessor import PreparedRequest, RequestPreprocessor, StepLimits
-from prefixserve.sampling_params import BeamSearchParams, SamplingParams
+from prefixserve.core.outputs import RequestOutput
+from prefixserve.core.sampling_params import BeamSearchParams, SamplingParams
+from prefixserve.engine.preprocessor import PreparedRequest, RequestPreprocessor, StepLimits
 from prefixserve.scale_out.protocol import ACCEPTED, EngineRequest
 
 logger = logging.getLogger(__name__)

@@ -51,9 +51,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from prefixserve.errors import require
+from prefixserve.core.errors import require
 from prefixserve.kv.hashing import extend_block_hashes
-from prefixserve.kv_events import (
+from prefixserve.kv.kv_events import (
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,

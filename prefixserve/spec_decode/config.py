@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from prefixserve.errors import InvalidArgumentError, require
+from prefixserve.core.errors import InvalidArgumentError, require
 
 METHODS = ("ngram", "suffix")
 MiB = 1024 * 1024

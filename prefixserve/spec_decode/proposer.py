@@ -35,7 +35,7 @@ import math
 import weakref
 from dataclasses import dataclass
 
-from prefixserve.sequence import Request, Sequence
+from prefixserve.core.sequence import Request, Sequence
 from prefixserve.spec_decode.config import SpeculativeConfig
 from prefixserve.spec_decode.metrics import SpecDecodeStats
 from prefixserve.spec_decode.ngram import match_ngram

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.structured_outputs.grammar import Grammar
 from prefixserve.structured_outputs.json_grammar import ANY_OBJECT, json_schema_ebnf
 from prefixserve.structured_outputs.params import StructuredOutputsParams, canonical_json

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.structured_outputs.structural_tag import check_structural_tag
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag", "tool_calls")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.structured_outputs.json_grammar import ANY_OBJECT, json_schema_ebnf
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.structured_outputs.json_grammar import json_schema_ebnf
 
 SYNTAXES = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")

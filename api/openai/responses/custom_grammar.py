@@ -22,7 +22,7 @@ import re
 
 import xgrammar
 
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 
 INPUT_RULE = "custom_tool_input"
 _CONTROL = [chr(c) for c in range(0x20)]

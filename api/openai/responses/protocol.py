@@ -16,7 +16,7 @@ from pydantic import Field
 
 from prefixserve.api.frontend.protocol import APIError, Lenient
 from prefixserve.api.frontend.reasoning_effort import EFFORTS
-from prefixserve.sampling_params import MAX_LOGPROBS
+from prefixserve.core.sampling_params import MAX_LOGPROBS
 
 INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content")
 """``include`` values honoured: logprobs on output text; encrypted reasoning, of which this

@@ -57,8 +57,8 @@ from prefixserve.api.openai.responses.truncation import truncate
 from prefixserve.api.openai.responses.turn import LOGPROBS, ResponseTurn
 from prefixserve.api.parsing.reasoning import THINK_END, THINK_START, starts_in_reasoning
 from prefixserve.api.parsing.reply import Finish, forced_syntax
-from prefixserve.chat_template import render_chat_text
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
+from prefixserve.engine.chat_template import render_chat_text
 from prefixserve.structured_outputs.params import StructuredOutputsParams
 
 

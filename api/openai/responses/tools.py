@@ -26,7 +26,7 @@ from typing import Any
 
 from prefixserve.api.frontend.protocol import APIError
 from prefixserve.api.openai.responses.custom_grammar import arguments_ebnf
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.structured_outputs.json_grammar import EBNF_KEY
 
 HOSTED = ("web_search", "web_search_preview", "web_search_2025_08_26", "file_search",

@@ -26,7 +26,7 @@ from prefixserve.api.openai.responses.output import ResponseOutput
 from prefixserve.api.openai.responses.protocol import ResponsesRequest
 from prefixserve.api.openai.responses.store import Record
 from prefixserve.api.parsing.reply import Finish
-from prefixserve.outputs import CompletionOutput, RequestOutput
+from prefixserve.core.outputs import CompletionOutput, RequestOutput
 
 if TYPE_CHECKING:
     from prefixserve.api.openai.responses.serving import ResponsesServing

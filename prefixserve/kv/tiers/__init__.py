@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixserve.config import EngineConfig
+from prefixserve.core.config import EngineConfig
 from prefixserve.kv.retention import RetentionTable
 from prefixserve.kv.tiers.base import KVTier
 from prefixserve.kv.tiers.block_io import kv_fingerprint

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from prefixserve.kv.kv_events import KVEventRecorder
 from prefixserve.kv.tiers.manager import STORED
 from prefixserve.kv.tiers.payload import BlockKey
-from prefixserve.kv_events import KVEventRecorder
 
 
 def record_tier_events(

@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.kv.tiers.base import MEDIUM_SHARED, KVTier, Payload, TierUnavailableError
 from prefixserve.kv.tiers.payload import BlockKey, CorruptBlockError, decode_block, encode_block
 

@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.kv.hashing import BlockHash
 
 ExternalBlockHash = int | bytes

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefixserve.beam_search import beam_outputs
-from prefixserve.outputs import CompletionOutput, RequestOutput
-from prefixserve.sequence import Request
+from prefixserve.core.outputs import CompletionOutput, RequestOutput
+from prefixserve.core.sequence import Request
+from prefixserve.sample.beam_search import beam_outputs
 
 
 class OutputProcessor:

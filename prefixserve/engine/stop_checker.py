@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Set
 
-from prefixserve.sampling_params import SamplingParams
-from prefixserve.sequence import Request, Sequence
+from prefixserve.core.sampling_params import SamplingParams
+from prefixserve.core.sequence import Request, Sequence
 
 FinishReason = tuple[str, str | int | None]  # (finish_reason, stop_reason)
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixserve.logits_processors import process_logits
-from prefixserve.sampling_metadata import SamplingMetadata
+from prefixserve.sample.logits_processors import process_logits
+from prefixserve.sample.sampling_metadata import SamplingMetadata
 
 # Top-p ranks this many candidates before it falls back to sorting the whole vocab.
 _TOP_P_CANDIDATES = 1024

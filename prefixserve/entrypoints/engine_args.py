@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from prefixserve.config import DEFAULT_KV_CACHE_DIR_GB
+from prefixserve.core.config import DEFAULT_KV_CACHE_DIR_GB
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -25,7 +25,7 @@ from prefixserve.attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from prefixserve.attention.backend import AttentionBackend
-    from prefixserve.config import EngineConfig
+    from prefixserve.core.config import EngineConfig
     from prefixserve.models.llama import Keep, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -105,11 +105,11 @@ def create_decode_replay(
         return None
     device = next(model.parameters()).device
     if device.type == "cuda":
-        from prefixserve.cuda_graphs import CUDAGraphRunner
+        from prefixserve.runner.cuda_graphs import CUDAGraphRunner
 
         return CUDAGraphRunner.create(config, model, backend)
     if device.type == "cpu":
-        from prefixserve.compiled_step import CompiledStepRunner
+        from prefixserve.runner.compiled_step import CompiledStepRunner
 
         return CompiledStepRunner.create(config, model, backend)
     return None

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from prefixserve.detokenizer import IncrementalDetokenizer
-from prefixserve.sampling_params import BeamSearchParams, SamplingParams
+from prefixserve.core.detokenizer import IncrementalDetokenizer
+from prefixserve.core.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from prefixserve.structured_outputs.grammar import Grammar

@@ -25,9 +25,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from prefixserve.config import EngineConfig
-from prefixserve.errors import InvalidArgumentError, PromptTooLongError
-from prefixserve.sampling_params import BeamSearchParams, SamplingParams
+from prefixserve.core.config import EngineConfig
+from prefixserve.core.errors import InvalidArgumentError, PromptTooLongError
+from prefixserve.core.sampling_params import BeamSearchParams, SamplingParams
 from prefixserve.structured_outputs.manager import StructuredOutputManager
 
 Params = SamplingParams | BeamSearchParams

@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from prefixserve.detokenizer import find_stop
-from prefixserve.outputs import CompletionOutput
-from prefixserve.sampling_params import BeamSearchParams
-from prefixserve.sequence import Request, Sequence
+from prefixserve.core.detokenizer import find_stop
+from prefixserve.core.outputs import CompletionOutput
+from prefixserve.core.sampling_params import BeamSearchParams
+from prefixserve.core.sequence import Request, Sequence
 
 
 @dataclass(slots=True)

@@ -38,16 +38,16 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from prefixserve.config import EngineConfig
-from prefixserve.errors import CacheCapacityError, InvalidArgumentError
+from prefixserve.core.config import EngineConfig
+from prefixserve.core.errors import CacheCapacityError, InvalidArgumentError
+from prefixserve.core.scheduler_output import ScheduledSeq, SchedulerOutput
+from prefixserve.core.sequence import Request, RequestStatus, Sequence
+from prefixserve.engine.request_lifecycle import RequestLifecycle
+from prefixserve.engine.stop_checker import StopChecker
 from prefixserve.kv.kv_cache_manager import KVCacheManager, PrefixHit
 from prefixserve.kv.retention import KVRetention
-from prefixserve.request_lifecycle import RequestLifecycle
-from prefixserve.sampling_step import SamplingResult
-from prefixserve.scheduler_output import ScheduledSeq, SchedulerOutput
-from prefixserve.sequence import Request, RequestStatus, Sequence
+from prefixserve.sample.sampling_step import SamplingResult
 from prefixserve.spec_decode.proposer import DraftProposer
-from prefixserve.stop_checker import StopChecker
 
 logger = logging.getLogger(__name__)
 

@@ -52,12 +52,12 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from prefixserve.attention.metadata import AttentionMetadata, SeqSpan, build_attention_metadata
-from prefixserve.decode_replay import DecodeReplay
+from prefixserve.runner.decode_replay import DecodeReplay
 
 if TYPE_CHECKING:
     from prefixserve.attention.backend import AttentionBackend
     from prefixserve.attention.triton_backend import TritonAttentionBackend
-    from prefixserve.config import EngineConfig
+    from prefixserve.core.config import EngineConfig
     from prefixserve.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)

@@ -25,15 +25,15 @@ from __future__ import annotations
 import itertools
 import logging
 
-from prefixserve.beam_search import BeamStep
-from prefixserve.config import EngineConfig
+from prefixserve.core.config import EngineConfig
+from prefixserve.core.scheduler_output import ScheduledSeq, SchedulerOutput
+from prefixserve.core.sequence import Request, Sequence
+from prefixserve.engine.stop_checker import StopChecker
 from prefixserve.kv.hashing import extend_block_hashes
 from prefixserve.kv.kv_cache_manager import KVCacheManager
-from prefixserve.sampling_step import SampledToken, SamplingResult, describe_error
-from prefixserve.scheduler_output import ScheduledSeq, SchedulerOutput
-from prefixserve.sequence import Request, Sequence
+from prefixserve.sample.beam_search import BeamStep
+from prefixserve.sample.sampling_step import SampledToken, SamplingResult, describe_error
 from prefixserve.spec_decode.proposer import DraftProposer
-from prefixserve.stop_checker import StopChecker
 
 logger = logging.getLogger(__name__)
 

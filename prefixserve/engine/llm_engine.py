@@ -35,25 +35,25 @@ from typing import Any
 
 import torch
 
-from prefixserve.config import EngineConfig
-from prefixserve.detokenizer import IncrementalDetokenizer
-from prefixserve.errors import InvalidArgumentError, StepFailedError
+from prefixserve.core.config import EngineConfig
+from prefixserve.core.detokenizer import IncrementalDetokenizer
+from prefixserve.core.errors import InvalidArgumentError, StepFailedError
+from prefixserve.core.outputs import RequestOutput
+from prefixserve.core.sampling_params import BeamSearchParams, SamplingParams
+from prefixserve.core.sequence import Request, Sequence
+from prefixserve.engine.output_processor import OutputProcessor
+from prefixserve.engine.preprocessor import PreparedRequest, RequestPreprocessor, StepLimits
+from prefixserve.engine.scheduler import KVUsage, Scheduler
+from prefixserve.engine.stop_checker import StopChecker
 from prefixserve.kv.hashing import extend_block_hashes
 from prefixserve.kv.kv_cache_manager import KVCacheManager
 from prefixserve.kv.retention import KVRetention, RetentionTable
 from prefixserve.kv.tiers import build_kv_tiers
 from prefixserve.kv.tiers.events import record_tier_events
-from prefixserve.model_runner import ModelRunner
 from prefixserve.models.loader import load_tokenizer
-from prefixserve.output_processor import OutputProcessor
-from prefixserve.outputs import RequestOutput
-from prefixserve.preprocessor import PreparedRequest, RequestPreprocessor, StepLimits
-from prefixserve.sampler import Sampler
-from prefixserve.sampling_params import BeamSearchParams, SamplingParams
-from prefixserve.sampling_step import SamplingStep
-from prefixserve.scheduler import KVUsage, Scheduler
-from prefixserve.sequence import Request, Sequence
-from prefixserve.stop_checker import StopChecker
+from prefixserve.runner.model_runner import ModelRunner
+from prefixserve.sample.sampler import Sampler
+from prefixserve.sample.sampling_step import SamplingStep
 from prefixserve.structured_outputs.manager import StructuredOutputManager
 from prefixserve.structured_outputs.request import StructuredOutputRequest
 
@@ -159,8 +159,8 @@ class LLMEngine:
         """The recorder the block pool reports to and the publisher of its events, or Nones."""
         if config.kv_events_endpoint is None:
             return None, None
-        from prefixserve.kv_event_publisher import KVEventPublisher
-        from prefixserve.kv_events import KVEventRecorder
+        from prefixserve.kv.kv_event_publisher import KVEventPublisher
+        from prefixserve.kv.kv_events import KVEventRecorder
 
         publisher = KVEventPublisher(
             config.kv_events_endpoint, replay_endpoint=config.kv_events_replay_endpoint

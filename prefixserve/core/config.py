@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixserve.errors import InvalidArgumentError, require
+from prefixserve.core.errors import InvalidArgumentError, require
 from prefixserve.spec_decode.config import SpeculativeConfig
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -37,7 +37,7 @@ class EngineConfig:
     ``kv_events_endpoint`` (e.g. ``tcp://*:5557``): publish the prefix cache's changes there
     (vLLM's KV-event format, ZMQ PUB), with a replay socket at ``kv_events_replay_endpoint``.
     ``enforce_eager``: run every step eagerly; otherwise decode steps replay a capture made at
-    start-up (``prefixserve.decode_replay``): CUDA graphs with the Triton backend on CUDA, a
+    start-up (``prefixserve.runner.decode_replay``): CUDA graphs with the Triton backend on CUDA, a
     ``torch.compile``d step on CPU (float32), with Inductor's cache in ``compile_cache_dir``
     (default ``~/.cache/prefixserve/inductor``, unless ``TORCHINDUCTOR_CACHE_DIR`` is set).
     Default off, or on where ``PREFIXSERVE_ENFORCE_EAGER=1``. ``batch_invariant``: one

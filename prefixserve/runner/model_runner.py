@@ -3,7 +3,7 @@
 Per step: perform the copy-on-write block copies, lay the batch out (decodes first; sequences
 that share leading blocks next to each other, so each prefix group's tokens are one slice), build
 ``input_ids`` and the ``AttentionMetadata``, run the model once (a decode step replays a capture
-made at start-up, ``prefixserve.decode_replay``: a CUDA graph, or a compiled step on CPU), and
+made at start-up, ``prefixserve.runner.decode_replay``: a CUDA graph, or a compiled step on CPU), and
 compute logits only at the
 last token of every sequence that samples (a speculating sequence: its last token and each of its
 draft tokens, which run right after it). It reads sequences and never changes them.
@@ -20,12 +20,12 @@ import torch
 
 from prefixserve.attention.metadata import SeqSpan, build_attention_metadata
 from prefixserve.attention.selector import get_attention_backend
-from prefixserve.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
-from prefixserve.decode_replay import create_decode_replay
-from prefixserve.errors import CacheCapacityError, InvalidArgumentError
+from prefixserve.core.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
+from prefixserve.core.errors import CacheCapacityError, InvalidArgumentError
+from prefixserve.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from prefixserve.models.linear import PACKED_KERNELS, LinearKernel
 from prefixserve.models.loader import load_model
-from prefixserve.scheduler_output import ScheduledSeq, SchedulerOutput
+from prefixserve.runner.decode_replay import create_decode_replay
 
 logger = logging.getLogger(__name__)
 

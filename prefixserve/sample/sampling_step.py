@@ -33,13 +33,13 @@ from typing import Any
 
 import torch
 
-from prefixserve import beam_search
-from prefixserve.beam_search import BeamStep
-from prefixserve.sampler import Sampler, SamplerOutput
-from prefixserve.sampling_metadata import SamplingMetadata
-from prefixserve.sampling_params import SamplingParams
-from prefixserve.scheduler_output import ScheduledSeq
-from prefixserve.sequence import Request, Sequence
+from prefixserve.core.sampling_params import SamplingParams
+from prefixserve.core.scheduler_output import ScheduledSeq
+from prefixserve.core.sequence import Request, Sequence
+from prefixserve.sample import beam_search
+from prefixserve.sample.beam_search import BeamStep
+from prefixserve.sample.sampler import Sampler, SamplerOutput
+from prefixserve.sample.sampling_metadata import SamplingMetadata
 from prefixserve.structured_outputs.grammar import Grammar, allocate_bitmask, apply_bitmask
 from prefixserve.structured_outputs.manager import StructuredOutputManager
 

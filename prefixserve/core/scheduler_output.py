@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prefixserve.sequence import Request, Sequence
+from prefixserve.core.sequence import Request, Sequence
 
 
 @dataclass(slots=True)

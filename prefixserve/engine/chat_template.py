@@ -30,7 +30,7 @@ from typing import Any
 import jinja2
 import jinja2.nodes
 
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 
 CONTENT_FORMATS = ("auto", "string", "openai")
 _TEXT_PARTS = ("text", "input_text")

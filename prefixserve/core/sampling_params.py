@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prefixserve.errors import require
+from prefixserve.core.errors import require
 from prefixserve.kv.retention import KVRetention
 from prefixserve.structured_outputs.params import StructuredOutputsParams
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixserve.sampling_metadata import SamplingMetadata
+from prefixserve.sample.sampling_metadata import SamplingMetadata
 from prefixserve.structured_outputs.grammar import apply_bitmask
 
 

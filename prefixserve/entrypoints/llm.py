@@ -6,13 +6,13 @@ import itertools
 
 from tqdm.auto import tqdm
 
-from prefixserve.chat_template import render_chat
-from prefixserve.config import EngineConfig
-from prefixserve.engine import LLMEngine
-from prefixserve.errors import InvalidArgumentError
-from prefixserve.inputs import PromptType, parse_prompts
-from prefixserve.outputs import RequestOutput
-from prefixserve.sampling_params import BeamSearchParams, SamplingParams
+from prefixserve.core.config import EngineConfig
+from prefixserve.core.errors import InvalidArgumentError
+from prefixserve.core.inputs import PromptType, parse_prompts
+from prefixserve.core.outputs import RequestOutput
+from prefixserve.core.sampling_params import BeamSearchParams, SamplingParams
+from prefixserve.engine.chat_template import render_chat
+from prefixserve.engine.llm_engine import LLMEngine
 
 
 class LLM:
@@ -51,7 +51,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt (a string, token ids, or vLLM's ``{"prompt": ...}`` /
-        ``{"prompt_token_ids": [...]}``: see ``prefixserve.inputs``); outputs in their order."""
+        ``{"prompt_token_ids": [...]}``: see ``prefixserve.core.inputs``); outputs in their order."""
         prompt_list = parse_prompts(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
         if isinstance(params, list):
@@ -77,7 +77,7 @@ class LLM:
         chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Render one conversation or a list of them with the tokenizer's chat template (see
-        ``prefixserve.chat_template``), then generate."""
+        ``prefixserve.engine.chat_template``), then generate."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tokenizer = self.get_tokenizer()
         prompts = [

@@ -7,7 +7,7 @@ from typing import TypeVar
 
 import torch
 
-from prefixserve.sampling_params import SamplingParams
+from prefixserve.core.sampling_params import SamplingParams
 
 T = TypeVar("T")
 

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 
-from prefixserve.engine_args import add_engine_args, engine_kwargs
+from prefixserve.entrypoints.engine_args import add_engine_args, engine_kwargs
 
 FAULT_INJECT_ENV = "PREFIXSERVE_FAULT_INJECT"
 

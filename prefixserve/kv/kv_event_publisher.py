@@ -33,8 +33,8 @@ from typing import TypeVar
 
 import zmq
 
-from prefixserve.errors import InvalidArgumentError
-from prefixserve.kv_events import KVEvent, KVEventBatch, decode_batch, encode_batch
+from prefixserve.core.errors import InvalidArgumentError
+from prefixserve.kv.kv_events import KVEvent, KVEventBatch, decode_batch, encode_batch
 
 logger = logging.getLogger(__name__)
 

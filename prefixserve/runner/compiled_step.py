@@ -41,12 +41,12 @@ import torch
 
 from prefixserve.attention.in_graph import IN_GRAPH, StepContext, bind
 from prefixserve.attention.metadata import AttentionMetadata, SeqSpan, build_attention_metadata
-from prefixserve.decode_replay import DecodeReplay
 from prefixserve.models.moe import SparseMoeBlock
+from prefixserve.runner.decode_replay import DecodeReplay
 
 if TYPE_CHECKING:
     from prefixserve.attention.backend import AttentionBackend
-    from prefixserve.config import EngineConfig
+    from prefixserve.core.config import EngineConfig
     from prefixserve.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,1 @@
+"""How users start prefixserve: the command line, engine arguments and the offline ``LLM`` API."""

@@ -1,0 +1,77 @@
+"""The package's layers point one way: a lower layer never imports a higher one.
+
+Walks every module's imports (module level and inside functions; ``TYPE_CHECKING`` blocks
+excluded: annotations only) with ``ast``, so the rule is checked without importing anything::
+
+    entrypoints, scale_out, api          how users reach the engine
+      engine                             the step loop, scheduler, preprocessor
+        runner, sample, spec_decode      a batch -> tensors -> tokens
+          models, attention, kv          the model, attention over the paged cache, blocks
+            core                         the values every layer passes
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+HIGHER = {
+    "core": {"engine", "sample", "runner", "entrypoints", "api", "scale_out", "models",
+             "attention"},
+    "kv": {"engine", "sample", "runner", "entrypoints", "api", "scale_out", "models"},
+    "sample": {"engine", "runner", "entrypoints", "api", "scale_out"},
+    "runner": {"engine", "entrypoints", "api", "scale_out"},
+    "models": {"engine", "sample", "runner", "entrypoints", "api", "scale_out", "kv"},
+    "attention": {"engine", "sample", "runner", "entrypoints", "api", "scale_out", "models"},
+    "engine": {"entrypoints", "api", "scale_out"},
+    "spec_decode": {"engine", "runner", "entrypoints", "api", "scale_out"},
+    "structured_outputs": {"engine", "sample", "runner", "entrypoints", "api", "scale_out"},
+}  # fmt: skip
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def imports_of(path: Path) -> list[str]:
+    """The ``prefixserve.*`` modules ``path`` imports, outside ``TYPE_CHECKING`` blocks."""
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_lines(tree)
+    out = []
+    for node in ast.walk(tree):
+        if getattr(node, "lineno", None) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return [m for m in out if m.startswith("prefixserve.")]
+
+
+def layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in HIGHER) else None
+
+
+@pytest.mark.parametrize("layer", sorted(HIGHER))
+def test_no_layer_imports_a_higher_one(layer):
+    bad = []
+    for path in sorted((ROOT / "prefixserve" / layer).rglob("*.py")):
+        for module in imports_of(path):
+            if layer_of(module) in HIGHER[layer]:
+                bad.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_walk_sees_imports():
+    """The check above can fail: the scheduler's own imports are found and classified."""
+    found = {layer_of(m) for m in imports_of(ROOT / "prefixserve" / "engine" / "scheduler.py")}
+    assert {"core", "kv"} <= found
