@@ -4,6 +4,7 @@ square), LRU order with whole chains, per-tenant and global bounds, namespaces, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 from array import array
 
@@ -86,9 +87,9 @@ def test_byte_bounds_and_a_record_larger_than_its_bound():
 def test_namespaces_isolate_and_delete_is_not_an_eviction():
     store = ResponseStore()
     put(store, record("r1", namespace="alice"))
-    assert store.chain("r1", ("bob",)) is None and not store.delete("r1", "bob")
+    assert store.chain("r1", ("bob",)) is None and not asyncio.run(store.delete("r1", "bob"))
     assert store.chain("r1", ("bob", "alice")) is not None
-    assert store.delete("r1", "alice") and store.chain("r1", ("alice",)) is None
+    assert asyncio.run(store.delete("r1", "alice")) and store.chain("r1", ("alice",)) is None
     assert store.evictions == 0 and store.nbytes == 0
 
 
@@ -127,7 +128,7 @@ def test_records_survive_a_restart_without_their_token_ids(tmp_path):
     store = ResponseStore(path=path)
     put(store, record("a", persist=True), record("b", "a", persist=True), record("tmp"))
     put(store, record("gone", persist=True))
-    assert store.delete("gone", "ns")
+    assert asyncio.run(store.delete("gone", "ns"))
     store.close()
     with sqlite3.connect(path) as db:
         assert sorted(r for (r,) in db.execute("SELECT id FROM responses")) == ["a", "b"]
@@ -198,17 +199,24 @@ def test_a_chain_whose_root_expired_is_gone_and_its_continuation_is_a_root():
     assert store.chain("next", ("ns",))[0].new_items == whole
 
 
-def test_put_returns_once_the_row_is_committed(tmp_path):
-    """Issue 34.12: the write came after the reply; now ``put`` returns after SQLite's commit."""
+def test_put_and_delete_return_once_the_file_is_committed(tmp_path):
+    """Issue 34.12: the write came after the reply; now ``put`` returns after SQLite's commit,
+    and ``delete`` after its rows' (a record and its descendants) are deleted."""
     path = str(tmp_path / "store.sqlite3")
     store = ResponseStore(path=path)
 
-    async def put_then_read() -> list[str]:
-        await store.put(record("a", persist=True), [])
-        with sqlite3.connect(path) as db:
-            return [rid for (rid,) in db.execute("SELECT id FROM responses")]
+    def rows() -> list[str]:
+        with contextlib.closing(sqlite3.connect(path)) as db:
+            return sorted(rid for (rid,) in db.execute("SELECT id FROM responses"))
 
-    assert asyncio.run(put_then_read()) == ["a"]
+    async def put_then_delete() -> tuple[list[str], list[str]]:
+        await store.put(record("a", persist=True), [])
+        await store.put(record("a2", "a", persist=True), [])
+        written = rows()
+        await store.delete("a", "ns")
+        return written, rows()
+
+    assert asyncio.run(put_then_delete()) == (["a", "a2"], [])
     store.close()
 
 

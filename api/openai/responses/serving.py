@@ -128,7 +128,7 @@ class ResponsesServing(TemplateServing):
         """Delete a stored response and release what it retained (``prompt_cache_retention``;
         where the engine cannot release, across replicas, the retention runs out its TTL)."""
         namespace = tenant.namespace(cache_salt)
-        if not self.store.delete(response_id, namespace):
+        if not await self.store.delete(response_id, namespace):
             raise APIError(f"Response with id '{response_id}' not found.", 404)
         with contextlib.suppress(APIError):
             await self.engine.release_kv(retention_session(namespace, response_id))

@@ -32,7 +32,8 @@ Invariants:
 - Persistence (``path``, SQLite, ``store_file``; ``":memory:"`` keeps nothing on disk): ``put``
   of a record with ``persist`` returns once the record and its unwritten ancestors are committed
   to the file (on its writer thread, never on the event loop); a failed write drops the record
-  and ``put`` says False. Evicted and deleted records are deleted from the file. A restarted
+  and ``put`` says False. Evicted and deleted records are deleted from the file (``delete``
+  returns once that is committed; evictions do not wait). A restarted
   server loads the records (bodies and items, not token ids): a continuation then renders its
   conversation again. Rows that do not decode are skipped (``skipped_rows``); a damaged file is
   moved aside.
@@ -188,11 +189,15 @@ class ResponseStore:
             self._records.move_to_end(r.id)
         return chain[::-1]
 
-    def delete(self, response_id: str, namespace: str) -> bool:
+    async def delete(self, response_id: str, namespace: str) -> bool:
+        """Delete a record and its descendants: True once done (and, with a file, once their
+        rows' deletes are committed); False when ``namespace`` holds no such record."""
         record = self._records.get(response_id)
         if record is None or record.namespace != namespace:
             return False
         self._drop(response_id)
+        if self._file is not None:
+            await asyncio.shield(asyncio.wrap_future(self._file.flush()))
         return True
 
     def release(self, namespace: str) -> None:

@@ -16,8 +16,9 @@ Start-up (``StoreFile(path).load(since)``)::
 Durability: ``write`` commits a record with its unwritten ancestors in one transaction and
 resolves once SQLite's commit returned; with WAL and ``synchronous=FULL`` a committed row
 survives a kill -9 and a power loss (given a disk that honours fsync). The same transaction
-deletes the rows older than the store's age bound. ``delete`` is fire and forget: a row whose
-delete a crash lost comes back at the next start and is bounded then.
+deletes the rows older than the store's age bound. Each ``delete`` commits on its own, in order;
+``flush`` resolves once every one submitted before it is done (a row whose delete a crash lost
+comes back at the next start and is bounded then).
 """
 
 from __future__ import annotations
@@ -82,6 +83,10 @@ class StoreFile:
 
     def delete(self, response_id: str) -> None:
         self._writer.submit(self._delete, response_id)
+
+    def flush(self) -> Future[None]:
+        """Done once every write and delete submitted before is done."""
+        return self._writer.submit(lambda: None)
 
     def close(self) -> None:
         self._writer.submit(self._db.close).result()
