@@ -10,10 +10,11 @@ typed output items and stream events (``output``) in one ``ResponseTurn``.
 
 A stored response (``store``, the default) is kept, and with a store file committed to it, before
 its body or ``response.completed`` is sent, so a client may continue it at once and it survives a
-kill -9; one the store could not keep is sent with ``store: false`` (``turn``). Everything is keyed by tenant (``frontend.tenancy``: the API
-key's identity and ``cache_salt``); ``store: false`` keeps nothing (but on a WebSocket
-connection, for as long as it lives). Continuations and truncations are counted once
-the engine accepted the request.
+kill -9; one the store could not keep is sent with ``store: false`` (``turn``). ``DELETE``
+answers once the deletes are committed. Everything is keyed by tenant (``frontend.tenancy``: the
+API key's identity and ``cache_salt``); ``store: false`` keeps nothing (but on a WebSocket
+connection, for as long as it lives). Continuations and truncations are counted once the engine
+accepted the request.
 """
 
 from __future__ import annotations
