@@ -3,6 +3,8 @@ square), LRU order with whole chains, per-tenant and global bounds, namespaces, 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import sqlite3
 from array import array
 
@@ -27,9 +29,13 @@ def record(rid: str, parent: str | None = None, text: str = "x", owner: str = "t
                   array("i", range(3)), persist=persist)  # fmt: skip
 
 
-def put(store: ResponseStore, *records: Record) -> None:
-    for r in records:
-        assert store.put(r, r.new_items) or True
+def put(store: ResponseStore, *records: Record) -> list[bool]:
+    """``store.put`` each record with its own items: whether each was kept."""
+
+    async def each() -> list[bool]:
+        return [await store.put(r, r.new_items) for r in records]
+
+    return asyncio.run(each())
 
 
 def test_a_long_conversation_holds_each_turn_once():
@@ -37,7 +43,7 @@ def test_a_long_conversation_holds_each_turn_once():
     store = ResponseStore()
     parent = None
     for turn in range(50):
-        store.put(record(f"r{turn}", parent, "y" * 2000), [])
+        put(store, record(f"r{turn}", parent, "y" * 2000))
         parent = f"r{turn}"
     assert 100_000 < store.nbytes < 2 * 100_000 + 50 * 200
     chain = store.chain("r49", ("ns",))
@@ -72,18 +78,18 @@ def test_byte_bounds_and_a_record_larger_than_its_bound():
     one = record("x", text="z" * 100).measure()
     store = ResponseStore(max_bytes=2 * one + 10)
     for name in "abc":
-        store.put(record(name, text="z" * 100), [])
+        put(store, record(name, text="z" * 100))
     assert [store.chain(n, ("ns",)) is not None for n in "abc"] == [False, True, True]
-    assert not store.put(record("huge", text="z" * 10_000), [])
+    assert put(store, record("huge", text="z" * 10_000)) == [False]
     assert store.nbytes == 2 * one
 
 
 def test_namespaces_isolate_and_delete_is_not_an_eviction():
     store = ResponseStore()
     put(store, record("r1", namespace="alice"))
-    assert store.chain("r1", ("bob",)) is None and not store.delete("r1", "bob")
+    assert store.chain("r1", ("bob",)) is None and not asyncio.run(store.delete("r1", "bob"))
     assert store.chain("r1", ("bob", "alice")) is not None
-    assert store.delete("r1", "alice") and store.chain("r1", ("alice",)) is None
+    assert asyncio.run(store.delete("r1", "alice")) and store.chain("r1", ("alice",)) is None
     assert store.evictions == 0 and store.nbytes == 0
 
 
@@ -92,7 +98,7 @@ def test_a_parent_evicted_meanwhile_makes_the_record_a_root_with_all_its_items()
     whole = [{"type": "message", "role": "user", "content": "everything"}]
     child = record("c", "gone")
     child.spliced = 5
-    assert store.put(child, whole)
+    assert asyncio.run(store.put(child, whole))
     (root,) = store.chain("c", ("ns",))
     assert root.parent is None and root.spliced is None and root.new_items == whole
 
@@ -122,7 +128,7 @@ def test_records_survive_a_restart_without_their_token_ids(tmp_path):
     store = ResponseStore(path=path)
     put(store, record("a", persist=True), record("b", "a", persist=True), record("tmp"))
     put(store, record("gone", persist=True))
-    assert store.delete("gone", "ns")
+    assert asyncio.run(store.delete("gone", "ns"))
     store.close()
     with sqlite3.connect(path) as db:
         assert sorted(r for (r,) in db.execute("SELECT id FROM responses")) == ["a", "b"]
@@ -169,3 +175,62 @@ def test_a_continuation_after_a_restart_renders_again_over_http(tmp_path):
         items = httpx.get(f"{base}/v1/responses/{r.json()['id']}/input_items?order=asc").json()
         assert [i.get("content") for i in items["data"]][-1][0]["text"] == "and then?"
         assert len(items["data"]) == 3  # hi, the first output, and then?
+
+
+def test_the_entry_bound_evicts_from_the_owner_holding_the_most_records():
+    """Issue 34.10: past ``max_entries`` the owner with the most bytes paid, not the most records."""
+    store = ResponseStore(max_entries=10)
+    put(store, *(record(f"b{i}", text="z" * 5000, owner="bob") for i in range(2)))
+    put(store, *(record(f"a{i}", owner="alice") for i in range(9)))
+    assert store.owner_usage("bob")[0] == 2 and store.owner_usage("alice")[0] == 8
+    assert store.chain("a0", ("ns",)) is None and store.chain("b0", ("ns",)) is not None
+
+
+def test_a_chain_whose_root_expired_is_gone_and_its_continuation_is_a_root():
+    clock = Clock()
+    store = ResponseStore(max_age_s=10, clock=clock)
+    put(store, record("root"))
+    clock.now += 8
+    put(store, record("child", "root"))
+    clock.now += 3
+    assert store.chain("child", ("ns",)) is None and len(store) == 0
+    whole = [{"type": "message", "role": "user", "content": "everything"}]
+    assert asyncio.run(store.put(record("next", "child"), whole))
+    assert store.chain("next", ("ns",))[0].new_items == whole
+
+
+def test_put_and_delete_return_once_the_file_is_committed(tmp_path):
+    """Issue 34.12: the write came after the reply; now ``put`` returns after SQLite's commit,
+    and ``delete`` after its rows' (a record and its descendants) are deleted."""
+    path = str(tmp_path / "store.sqlite3")
+    store = ResponseStore(path=path)
+
+    def rows() -> list[str]:
+        with contextlib.closing(sqlite3.connect(path)) as db:
+            return sorted(rid for (rid,) in db.execute("SELECT id FROM responses"))
+
+    async def put_then_delete() -> tuple[list[str], list[str]]:
+        await store.put(record("a", persist=True), [])
+        await store.put(record("a2", "a", persist=True), [])
+        written = rows()
+        await store.delete("a", "ns")
+        return written, rows()
+
+    assert asyncio.run(put_then_delete()) == (["a", "a2"], [])
+    store.close()
+
+
+def test_rows_in_a_parent_cycle_are_orphans(tmp_path):
+    path = str(tmp_path / "store.sqlite3")
+    store = ResponseStore(path=path)
+    put(store, record("root", persist=True))
+    store.close()
+    with sqlite3.connect(path) as db:
+        for rid, parent in (("x", "y"), ("y", "x"), ("z", "missing")):
+            db.execute("INSERT INTO responses VALUES (?, 'ns', 't', ?, 2e9, '[{}, [], []]')",
+                       (rid, parent))  # fmt: skip
+    again = ResponseStore(path=path)
+    assert len(again) == 1 and again.skipped_rows == 0
+    again.close()
+    with sqlite3.connect(path) as db:
+        assert [rid for (rid,) in db.execute("SELECT id FROM responses")] == ["root"]

@@ -1,6 +1,6 @@
 """Prometheus figures of the Responses front, read at scrape time from its live objects:
 continuations by how their prompt was built, truncations, tools not offered, and the store's
-size and evictions."""
+size, evictions, rows skipped at start-up and failed writes."""
 
 from __future__ import annotations
 
@@ -52,10 +52,16 @@ class ResponsesCollector(Collector):
         for kind, count in sorted(self.serving.tools_not_offered.items()):
             not_offered.add_metric([*label, kind], count)
         yield not_offered
-        evictions = CounterMetricFamily(
-            "prefixserve_responses_store_evictions",
-            "Stored responses dropped for the store's entry, byte or age limit.",
-            labels=["model_name"],
-        )
-        evictions.add_metric(label, store.evictions)
-        yield evictions
+        for name, doc, value in (
+            ("prefixserve_responses_store_evictions",
+             "Stored responses dropped for the store's entry, byte or age limit.", store.evictions),
+            ("prefixserve_responses_store_skipped_rows",
+             "Rows of the store's file skipped at start-up because they did not decode.",
+             store.skipped_rows),
+            ("prefixserve_responses_store_write_failures",
+             "store: true responses the store's file could not commit (sent with store: false).",
+             store.write_failures),
+        ):  # fmt: skip
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric(label, value)
+            yield counter

@@ -8,11 +8,13 @@ completions. With ``previous_response_id`` the prompt is the stored response's o
 the new items' tokens, verified against the template (``continuation``). The reply's parts become
 typed output items and stream events (``output``) in one ``ResponseTurn``.
 
-A stored response (``store``, the default) is written before ``response.completed`` is sent, so
-a client may continue it at once. Everything is keyed by tenant (``frontend.tenancy``: the API
-key's identity and ``cache_salt``); ``store: false`` keeps nothing (but on a WebSocket
-connection, for as long as it lives). Continuations and truncations are counted once
-the engine accepted the request.
+A stored response (``store``, the default) is kept, and with a store file committed to it, before
+its body or ``response.completed`` is sent, so a client may continue it at once and it survives a
+kill -9; one the store could not keep is sent with ``store: false`` (``turn``). ``DELETE``
+answers once the deletes are committed. Everything is keyed by tenant (``frontend.tenancy``: the
+API key's identity and ``cache_salt``); ``store: false`` keeps nothing (but on a WebSocket
+connection, for as long as it lives). Continuations and truncations are counted once the engine
+accepted the request.
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ class ResponsesServing(TemplateServing):
             "responses_store_entries": len(self.store),
             "responses_store_bytes": self.store.nbytes,
             "responses_store_evictions": self.store.evictions,
+            "responses_store_skipped_rows": self.store.skipped_rows,
+            "responses_store_write_failures": self.store.write_failures,
         }
 
     # -- the stored responses ------------------------------------------------------------------
@@ -125,7 +129,7 @@ class ResponsesServing(TemplateServing):
         """Delete a stored response and release what it retained (``prompt_cache_retention``;
         where the engine cannot release, across replicas, the retention runs out its TTL)."""
         namespace = tenant.namespace(cache_salt)
-        if not self.store.delete(response_id, namespace):
+        if not await self.store.delete(response_id, namespace):
             raise APIError(f"Response with id '{response_id}' not found.", 404)
         with contextlib.suppress(APIError):
             await self.engine.release_kv(retention_session(namespace, response_id))
@@ -161,7 +165,7 @@ class ResponsesServing(TemplateServing):
                         self.logprobs_of(req, c.logprobs, c.token_ids),
                         Finish(c.finish_reason, c.stop_reason))  # fmt: skip
             output.finish(turn.status(c))
-        return JSONResponse(turn.complete(final, output), headers=turn.headers)
+        return JSONResponse(await turn.complete(final, output), headers=turn.headers)
 
     async def start(
         self, req: ResponsesRequest, tenant: Tenant, connection: str | None = None

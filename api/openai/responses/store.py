@@ -20,35 +20,39 @@ Invariants:
   connection's own for ``store: false``): no tenant reads, continues or deletes another's.
 - After every ``put``: each owner (an API key's tenant) holds at most ``tenant_max_entries`` and
   ``tenant_max_bytes`` (its least recently used records go first), and the store at most
-  ``max_entries`` and ``max_bytes``; past the global bound the owner holding the most bytes loses
-  its least recently used records, so a tenant within its share never loses records to another.
+  ``max_entries`` and ``max_bytes``. Past a global bound, the owner furthest over its fair share
+  of that bound (the bound over the owners holding records) loses its least recently used
+  records: for ``max_entries`` the owner holding the most records, for ``max_bytes`` the most
+  bytes. So a tenant within its share of a bound never loses records to another.
   A record is kept with its ancestors: reading a chain refreshes every record in it, and evicting
-  a record evicts its descendants. A record past ``max_age_s`` is never returned.
-- ``evictions`` counts records dropped for a bound; ``delete`` and a closed connection's release
-  are not evictions.
-- Persistence (``path``, SQLite; ``":memory:"`` keeps nothing on disk): every record put with
-  ``persist`` is written, with its ancestors, on a writer thread (never on the event loop), and
-  deleted with it. A restarted server loads the records (bodies and items, not token ids): a
-  continuation then renders its conversation again.
+  a record evicts its descendants. A record past ``max_age_s`` (counted from its creation) is
+  evicted at the next ``put`` or ``chain`` and never returned; nor is a chain whose root expired.
+- ``evictions`` counts records dropped for a bound or their age; ``delete``, a closed
+  connection's release and a failed write are not evictions (``write_failures``).
+- Persistence (``path``, SQLite, ``store_file``; ``":memory:"`` keeps nothing on disk): ``put``
+  of a record with ``persist`` returns once the record and its unwritten ancestors are committed
+  to the file (on its writer thread, never on the event loop); a failed write drops the record
+  and ``put`` says False. Evicted and deleted records are deleted from the file (``delete``
+  returns once that is committed; evictions do not wait). A restarted
+  server loads the records (bodies and items, not token ids): a continuation then renders its
+  conversation again. Rows that do not decode are skipped (``skipped_rows``); a damaged file is
+  moved aside.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-import logging
-import sqlite3
 import time
 from array import array
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
+from functools import partial
 from typing import Any
 
+from prefixserve.api.openai.responses.store_file import StoreFile
 from prefixserve.core.errors import InvalidArgumentError
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_ENTRIES = 10_000
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
@@ -126,16 +130,25 @@ class ResponseStore:
         self.tenant_max_entries, self.tenant_max_bytes = tenant_max_entries, tenant_max_bytes
         self._clock = clock
         self._records: OrderedDict[str, Record] = OrderedDict()  # LRU first
+        self._created: dict[str, float] = {}  # the same records, oldest first
         self._children: defaultdict[str, set[str]] = defaultdict(set)
         self._owner_bytes: defaultdict[str, int] = defaultdict(int)
         self._owner_count: defaultdict[str, int] = defaultdict(int)
         self.nbytes = 0
         self.evictions = 0
-        self._disk = None if path == IN_MEMORY else _Disk(path)
-        if self._disk is not None:
-            for record in self._disk.load(clock() - max_age_s):
+        self.skipped_rows = 0
+        self.write_failures = 0
+        self._file = None if path == IN_MEMORY else StoreFile(path)
+        if self._file is not None:
+            rows, self.skipped_rows = self._file.load(clock() - max_age_s)
+            for row in rows:
+                record = Record(row.id, row.namespace, row.owner, row.parent, row.response,
+                                row.new_items, row.output_items, prompt_known=False,
+                                persist=True, created=row.created)  # fmt: skip
+                record.nbytes = record.measure()
                 self._insert(record)
-            self._bound(None)
+            for owner in list(self._owner_count):
+                self._bound(owner)
 
     def __len__(self) -> int:
         return len(self._records)
@@ -144,32 +157,30 @@ class ResponseStore:
         """(records, bytes) ``owner`` holds."""
         return self._owner_count[owner], self._owner_bytes[owner]
 
-    def put(self, record: Record, items: list[dict[str, Any]]) -> bool:
-        """Keep ``record``; False when a bound left it out. ``items``: its whole conversation's
-        input items, kept instead of its delta when its parent was evicted meanwhile."""
-        if record.parent is not None and record.parent not in self._records:
-            record.parent, record.spliced, record.new_items = None, None, items
-        record.created = self._clock()
-        record.nbytes = record.measure()
-        self._drop(record.id)
-        if record.nbytes > min(self.max_bytes, self.tenant_max_bytes):
-            self.evictions += 1  # larger than a whole bound: never kept, evicts nothing
+    async def put(self, record: Record, items: list[dict[str, Any]]) -> bool:
+        """Keep ``record``: True once it is kept and, with ``persist``, committed to the file
+        (with its unwritten ancestors, in one transaction); False when a bound left it out or
+        the write failed (then it is not kept either). ``items``: its whole conversation's input
+        items, kept instead of its delta when its parent was evicted meanwhile."""
+        if not self._keep(record, items):
             return False
-        self._insert(record)
-        self._bound(record.owner)
-        kept = record.id in self._records
-        if kept and record.persist and self._disk is not None:
-            self._persist(record)
-        return kept
+        if not record.persist or self._file is None:
+            return True
+        chain = [record]  # the record and its ancestors not written yet, the record first
+        while chain[-1].parent is not None and not self._records[chain[-1].parent].persist:
+            chain.append(self._records[chain[-1].parent])
+        for r in chain:
+            r.persist = True  # an eviction meanwhile deletes its row after the write
+        written = asyncio.wrap_future(self._file.write(chain[::-1], self._clock() - self.max_age_s))
+        written.add_done_callback(partial(self._written, chain))
+        return await asyncio.shield(written)  # a reply cancelled meanwhile: the same outcome
 
     def chain(self, response_id: str, namespaces: tuple[str, ...]) -> list[Record] | None:
         """The records from the root to ``response_id`` (refreshed), or None when it is not
         visible in ``namespaces`` or has expired."""
+        self._expire()
         record = self._records.get(response_id)
         if record is None or record.namespace not in namespaces:
-            return None
-        if self._clock() - record.created > self.max_age_s:
-            self._evict(response_id)
             return None
         chain = [record]
         while chain[-1].parent is not None:
@@ -178,11 +189,15 @@ class ResponseStore:
             self._records.move_to_end(r.id)
         return chain[::-1]
 
-    def delete(self, response_id: str, namespace: str) -> bool:
+    async def delete(self, response_id: str, namespace: str) -> bool:
+        """Delete a record and its descendants: True once done (and, with a file, once their
+        rows' deletes are committed); False when ``namespace`` holds no such record."""
         record = self._records.get(response_id)
         if record is None or record.namespace != namespace:
             return False
         self._drop(response_id)
+        if self._file is not None:
+            await asyncio.shield(asyncio.wrap_future(self._file.flush()))
         return True
 
     def release(self, namespace: str) -> None:
@@ -193,33 +208,71 @@ class ResponseStore:
                 self._drop(record.id)
 
     def close(self) -> None:
-        if self._disk is not None:
-            self._disk.close()
+        """Close the file once every write and delete submitted before is done."""
+        if self._file is not None:
+            self._file.close()
 
     # -- bookkeeping ----------------------------------------------------------------------------
 
+    def _keep(self, record: Record, items: list[dict[str, Any]]) -> bool:
+        """Hold ``record`` in memory within the bounds: whether it is held."""
+        self._expire()
+        if record.parent is not None and record.parent not in self._records:
+            record.parent, record.spliced, record.new_items = None, None, items
+        record.created = self._clock()
+        record.nbytes = record.measure()
+        self._drop(record.id)
+        if record.nbytes > min(self.max_bytes, self.tenant_max_bytes):
+            self.evictions += 1  # larger than a whole bound: never kept, evicts nothing
+            return False
+        self._insert(record)
+        self._bound(record.owner)
+        return record.id in self._records
+
+    def _written(self, chain: list[Record], done: asyncio.Future[bool]) -> None:
+        """After ``put``'s write (on the event loop): when it failed, its records are not in the
+        file and the record (``chain[0]``) is not kept."""
+        if done.result():
+            return
+        self.write_failures += 1
+        for r in chain:
+            r.persist = False
+        self._drop(chain[0].id)
+
     def _insert(self, record: Record) -> None:
         self._records[record.id] = record
+        self._created[record.id] = record.created
         if record.parent is not None:
             self._children[record.parent].add(record.id)
         self.nbytes += record.nbytes
         self._owner_bytes[record.owner] += record.nbytes
         self._owner_count[record.owner] += 1
 
-    def _bound(self, owner: str | None) -> None:
-        now = self._clock()
-        while self._records:  # expired records, from the LRU end
-            oldest = next(iter(self._records.values()))
-            if now - oldest.created <= self.max_age_s:
+    def _expire(self) -> None:
+        """Evict the records past ``max_age_s``, oldest first (with the records continuing them,
+        which are younger)."""
+        deadline = self._clock() - self.max_age_s
+        while self._created:
+            oldest, created = next(iter(self._created.items()))
+            if created >= deadline:
                 break
-            self._evict(oldest.id)
-        if owner is not None:
-            while (self._owner_count[owner] > self.tenant_max_entries
-                   or self._owner_bytes[owner] > self.tenant_max_bytes):  # fmt: skip
-                self._evict(next(r.id for r in self._records.values() if r.owner == owner))
-        while len(self._records) > self.max_entries or self.nbytes > self.max_bytes:
-            largest = max(self._owner_bytes, key=self._owner_bytes.__getitem__)
-            self._evict(next(r.id for r in self._records.values() if r.owner == largest))
+            self._evict(oldest)
+
+    def _bound(self, owner: str) -> None:
+        """``owner`` within its quotas, then the store within its bounds: past a global bound,
+        the owner furthest over its share of that bound (the bound over the owners holding
+        records, equal for all: so the owner holding the most of it) loses its least recently
+        used record, one at a time."""
+        while (self._owner_count[owner] > self.tenant_max_entries
+               or self._owner_bytes[owner] > self.tenant_max_bytes):  # fmt: skip
+            self._evict(self._least_recent(owner))
+        while len(self._records) > self.max_entries:
+            self._evict(self._least_recent(_furthest_over(self._owner_count)))
+        while self.nbytes > self.max_bytes:
+            self._evict(self._least_recent(_furthest_over(self._owner_bytes)))
+
+    def _least_recent(self, owner: str) -> str:
+        return next(r.id for r in self._records.values() if r.owner == owner)
 
     def _evict(self, response_id: str) -> None:
         self.evictions += self._drop(response_id)
@@ -229,6 +282,7 @@ class ResponseStore:
         record = self._records.pop(response_id, None)
         if record is None:
             return 0
+        del self._created[response_id]
         dropped = 1
         for child in list(self._children.pop(response_id, ())):
             dropped += self._drop(child)
@@ -239,77 +293,11 @@ class ResponseStore:
         self._owner_count[record.owner] -= 1
         if not self._owner_count[record.owner]:
             del self._owner_count[record.owner], self._owner_bytes[record.owner]
-        if record.persist and self._disk is not None:
-            self._disk.delete(record.id)
+        if record.persist and self._file is not None:
+            self._file.delete(record.id)
         return dropped
 
-    def _persist(self, record: Record) -> None:
-        """Write ``record`` and every ancestor not written yet (a chain survives whole)."""
-        chain = [record]
-        while chain[-1].parent is not None and not self._records[chain[-1].parent].persist:
-            chain.append(self._records[chain[-1].parent])
-        for r in reversed(chain):
-            r.persist = True
-            self._disk.write(r)  # type: ignore[union-attr]
 
-
-class _Disk:
-    """The SQLite file under a store: one writer thread owns the connection."""
-
-    _SCHEMA = (
-        "CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, namespace TEXT NOT NULL, "
-        "owner TEXT NOT NULL, parent TEXT, created REAL NOT NULL, body TEXT NOT NULL)"
-    )
-
-    def __init__(self, path: str) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="responses-store")
-        self._db: sqlite3.Connection | None = None
-        self._writer.submit(self._open).result()
-
-    def _open(self) -> None:
-        self._db = sqlite3.connect(self.path, timeout=30, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(self._SCHEMA)
-        self._db.commit()
-
-    def load(self, since: float) -> list[Record]:
-        """The records written since ``since``, oldest first, without token ids."""
-        rows = self._writer.submit(lambda: self._db.execute(  # type: ignore[union-attr]
-            "SELECT id, namespace, owner, parent, created, body FROM responses "
-            "WHERE created >= ? ORDER BY created", (since,)).fetchall()).result()  # fmt: skip
-        records, known = [], set()
-        for rid, namespace, owner, parent, created, body in rows:
-            if parent is not None and parent not in known:
-                continue  # its conversation's start is gone
-            response, new_items, output_items = json.loads(body)
-            record = Record(rid, namespace, owner, parent, response, new_items, output_items,
-                            prompt_known=False, persist=True, created=created)  # fmt: skip
-            record.nbytes = record.measure()
-            records.append(record)
-            known.add(rid)
-        return records
-
-    def write(self, record: Record) -> None:
-        body = json.dumps([record.response, record.new_items, record.output_items],
-                          ensure_ascii=False)  # fmt: skip
-        row = (record.id, record.namespace, record.owner, record.parent, record.created, body)
-        self._submit("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)", row)
-
-    def delete(self, response_id: str) -> None:
-        self._submit("DELETE FROM responses WHERE id = ?", (response_id,))
-
-    def _submit(self, sql: str, row: tuple) -> None:
-        def run() -> None:
-            try:
-                self._db.execute(sql, row)  # type: ignore[union-attr]
-                self._db.commit()  # type: ignore[union-attr]
-            except sqlite3.Error:
-                logger.exception("responses store: writing %s failed", self.path)
-
-        self._writer.submit(run)
-
-    def close(self) -> None:
-        self._writer.submit(lambda: self._db.close()).result()  # type: ignore[union-attr]
-        self._writer.shutdown()
+def _furthest_over(usage: dict[str, int]) -> str:
+    """The owner whose ``usage`` of a bound is furthest over its fair share (bound / owners)."""
+    return max(usage, key=usage.__getitem__)

@@ -3,8 +3,10 @@
 Built by ``ResponsesServing.start`` once the request's engine request is added. ``events`` numbers
 every event from 0 (``sequence_number``): ``response.created``, ``response.in_progress``, the
 output's events (``output``), then ``response.completed`` / ``response.incomplete``, or
-``response.failed`` with the error; the response is stored (``store``, or on its WebSocket
-connection) before its terminal event is sent.
+``response.failed`` with the error. The response is stored (``store``, or on its WebSocket
+connection) before its terminal event or its body is sent: with a store file, committed to it,
+so an acknowledged response survives a kill -9; a response the store could not keep (a failed
+write, larger than a bound) is sent with ``store: false``.
 """
 
 from __future__ import annotations
@@ -75,8 +77,12 @@ class ResponseTurn:
             "usage": usage, "user": req.user, "metadata": req.metadata or {}, **extra,
         }  # fmt: skip
 
-    def complete(self, final: RequestOutput, output: ResponseOutput) -> dict:
-        """The finished response's body; stored when the request asked for it."""
+    async def complete(self, final: RequestOutput, output: ResponseOutput) -> dict:
+        """The finished response's body, once stored (``stored``)."""
+        return await self.stored(*self.finished(final, output))
+
+    def finished(self, final: RequestOutput, output: ResponseOutput) -> tuple[dict, list[int]]:
+        """The finished response's body and its generated token ids (not stored yet)."""
         c = final.outputs[0]
         status = self.status(c)
         extra: dict[str, Any] = {}
@@ -91,15 +97,21 @@ class ResponseTurn:
             self.serving.tool_calls.paused(self.inputs, c, call)
         reasoning = self.serving.reasoning_tokens(generated, output.reasoning)
         body = self.body(status, output.items, _usage(final, len(generated), reasoning), **extra)
+        return body, generated
+
+    async def stored(self, body: dict, generated: list[int]) -> dict:
+        """``body`` once the store kept it when the request asked for that (``store``; on a
+        WebSocket connection, its own); with ``store: false`` when the store could not."""
         namespace = self.tenant.namespace(self.req.cache_salt) if self.req.store else (
             self.connection)  # fmt: skip
-        if namespace is not None:
-            self.serving.store.put(self._record(namespace, body, output.items, generated),
-                                   self.items)  # fmt: skip
-        return body
+        if namespace is None:
+            return body
+        record = self._record(namespace, body, generated)
+        if await self.serving.store.put(record, self.items) or not self.req.store:
+            return body
+        return {**body, "store": False}
 
-    def _record(self, namespace: str, body: dict, output_items: list[dict],
-                generated: list[int]) -> Record:  # fmt: skip
+    def _record(self, namespace: str, body: dict, generated: list[int]) -> Record:
         """What the store keeps of this response: its delta over ``parent`` (``store``)."""
         prompt, parent = self.prompt, self.parent
         new_items = self.items if parent is None else self.items[self.history :]
@@ -107,7 +119,7 @@ class ResponseTurn:
         start = prompt.spliced_text if spliced is not None else 0
         return Record(
             self.id, namespace, self.tenant.owner, parent,
-            {k: v for k, v in body.items() if k != "output"}, new_items, output_items,
+            {k: v for k, v in body.items() if k != "output"}, new_items, body["output"],
             spliced, prompt.text[start:], array("i", prompt.token_ids[spliced or 0 :]),
             array("i", generated), persist=self.req.store,
         )  # fmt: skip
@@ -123,6 +135,7 @@ class ResponseTurn:
         However it ends, the engine request ends with it (``stream.drive``)."""
         serving, numbers = self.serving, itertools.count()
         output, tracker = self.output(), DeltaTracker()
+        finished: list[tuple[dict, list[int]]] = []  # the finished body, until it is stored
 
         def event(body: dict) -> dict:
             return {**body, "sequence_number": next(numbers)}
@@ -140,17 +153,21 @@ class ResponseTurn:
                 if done:
                     events += output.finish(self.status(c))
             if out.finished:
-                body = self.complete(out, output)
-                events.append({"type": f"response.{body['status']}", "response": body})
+                finished.append(self.finished(out, output))
             return [event(e) for e in events]
+
+        def failed(exc: APIError) -> list[dict]:
+            finished.clear()
+            return [event(self._failed(output, exc))]
 
         start = self.body("in_progress", [])
         opening = [event({"type": "response.created", "response": start}),
                    event({"type": "response.in_progress", "response": start})]  # fmt: skip
-        async for body in drive(streams, serving.abort_all, on_output,
-                                lambda exc: [event(self._failed(output, exc))],
-                                first=opening):  # fmt: skip
+        async for body in drive(streams, serving.abort_all, on_output, failed, first=opening):
             yield body
+        if finished:  # the terminal event once the response is stored
+            body = await self.stored(*finished[0])
+            yield event({"type": f"response.{body['status']}", "response": body})
 
     def _failed(self, output: ResponseOutput, exc: APIError) -> dict:
         code = "server_error" if exc.status == 500 and exc.err_type is None else exc.type
