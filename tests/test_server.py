@@ -314,7 +314,7 @@ def test_metrics_names(server, client):
 
 
 def test_api_key():
-    with launch_server("--api-key", "sekret") as base:
+    with launch_server("--api-key", "sekret", "--public-route", "/metrics") as base:
         ok = openai.OpenAI(base_url=f"{base}/v1", api_key="sekret", max_retries=0)
         assert ok.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
         for key in ("wrong", ""):
@@ -322,8 +322,10 @@ def test_api_key():
             with pytest.raises(openai.AuthenticationError):
                 bad.models.list()
         assert httpx.post(f"{base}/v1/completions", json={"prompt": "hi"}).status_code == 401
-        assert httpx.get(f"{base}/health").status_code == 200
-        assert httpx.get(f"{base}/metrics").status_code == 200
+        assert httpx.get(f"{base}/health").status_code == 200  # liveness is always public
+        assert httpx.get(f"{base}/metrics").status_code == 401  # the rest takes the key
+        assert httpx.get(f"{base}/metrics", headers={"authorization": "Bearer sekret"}).is_success  # public by --public-route
+        assert httpx.get(f"{base}/stats").status_code == 401
 
 
 def test_engine_death_makes_health_503():

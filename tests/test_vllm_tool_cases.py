@@ -34,7 +34,7 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 @pytest.fixture(scope="module")
 def server():
-    with launch_server("--tool-call-parser", "hermes") as base:
+    with launch_server("--tool-call-parser", "hermes", "--allow-client-chat-template") as base:
         yield base
 
 
