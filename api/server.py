@@ -3,12 +3,14 @@
 Routes: /v1/chat/completions, /v1/completions, /v1/responses (+ GET/DELETE
 /v1/responses/{id}, .../input_items), /v1/messages (+ /count_tokens), /v1/models, /health,
 /version, /tokenize,
-/detokenize, /metrics, /dashboard, /stats. Every error is an OpenAI-shaped body: 400 for any
-invalid input (schema, JSON, values, context length), 401 for a missing or wrong API key on /v1/*,
-404 for an unknown model, 408 past ``request_timeout``, 413 for a body over
-``max_request_body_bytes``, 503 (with ``Retry-After``) when the waiting queue is full or the
-server is draining, 500 ``internal_error`` when the engine failed that one request. On the
-Messages routes the same errors take Anthropic's shape (503 becomes 529 ``overloaded_error``).
+/detokenize, /metrics, /dashboard, /stats. With API keys every route takes one but /health
+(liveness) and the ``public_routes`` the operator names (never a /v1 route). Every error is an
+OpenAI-shaped body: 400 for any invalid input (schema, JSON, values, context length), 401 for a
+missing or wrong API key, 404 for an unknown model, 408 past ``request_timeout``, 413 for a body
+over ``max_request_body_bytes``, 503 (with ``Retry-After``) when the waiting queue is full or the
+server is draining, 500 ``internal_error`` when the engine failed that one request or the server
+failed unexpectedly (``frontend.gate``: the connection stays open). On the Messages routes the
+same errors take Anthropic's shape (503 becomes 529 ``overloaded_error``).
 
 Lifecycle: /health answers 503 once the engine loop has died; the runner then stops uvicorn and
 ``serve`` returns 1. On SIGTERM or SIGINT the server drains: every new request gets a 503, requests
@@ -64,9 +66,11 @@ from prefixserve.api.openai.responses.store import (
 )
 from prefixserve.api.openai.responses.tools import HOSTED_POLICIES
 from prefixserve.api.openai.responses.websocket import serve_websocket
+from prefixserve.api.openai.tokenization import TokenizationServing
 from prefixserve.core.errors import CacheCapacityError, InvalidArgumentError
-from prefixserve.engine.chat_template import CONTENT_FORMATS, render_chat
+from prefixserve.engine.chat_template import CONTENT_FORMATS
 from prefixserve.engine.llm_engine import LLMEngine
+from prefixserve.engine.request_chat_template import TemplateLimits
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +93,9 @@ class ServerConfig:
     tenant: entries, bytes, None for the global bound) and its SQLite file (``:memory:``: none).
     ``api_key``, ``api_keys`` (key -> tenant name): the keys accepted on /v1 (``frontend.tenancy``);
     ``share_prefix_cache_across_tenants``: tenants share cached blocks (never stored responses).
+    ``public_routes``: paths answered without a key (besides /health; no /v1 path).
+    ``allow_client_chat_template``: accept a request's ``chat_template`` and render it under
+    bounds (``prefixserve.engine.request_chat_template``); else it is a 400.
     ``hosted_tools``: ``accept`` (hosted Responses tools are not offered, and said so) or
     ``refuse`` (a 400). ``retain_tool_call_kv``: a reply that ends in a tool call keeps its KV
     for a learned TTL (``frontend.tool_call_retention``). ``drop_attribution_header``: leave Claude Code's per-session attribution block out of
@@ -100,6 +107,8 @@ class ServerConfig:
     api_key: str | None = None
     api_keys: dict[str, str] = field(default_factory=dict)
     share_prefix_cache_across_tenants: bool = False
+    public_routes: list[str] = field(default_factory=list)
+    allow_client_chat_template: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
@@ -144,6 +153,13 @@ class ServerConfig:
             raise InvalidArgumentError(
                 f"hosted_tools: must be one of {HOSTED_POLICIES}", "hosted_tools"
             )
+        for path in self.public_routes:
+            if not path.startswith("/") or path == "/v1" or path.startswith("/v1/"):
+                raise InvalidArgumentError(
+                    f"public_routes: {path!r} must be a path like /metrics outside /v1 (the API "
+                    "always takes the key)",
+                    "public_routes",
+                )
         if self.shutdown_grace_seconds < 0:
             raise InvalidArgumentError(
                 f"shutdown_grace_seconds: must be >= 0, got {self.shutdown_grace_seconds}",
@@ -216,12 +232,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     options = dict(
         request_timeout=config.request_timeout, require_cache_salt=config.require_cache_salt
     )
+    limits = TemplateLimits.of_server(config.max_request_body_bytes, engine.max_model_len)
     template = dict(
         tool_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,
         content_format=config.chat_template_content_format,
-        retain_tool_calls=config.retain_tool_call_kv, **options,
+        retain_tool_calls=config.retain_tool_call_kv,
+        template_limits=limits if config.allow_client_chat_template else None, **options,
     )  # fmt: skip
     chat = ChatServing(engine, names, **template)
+    tokenization = TokenizationServing(chat)
     completion = CompletionServing(engine, names, **options)
     store = ResponseStore(
         config.responses_store_max_entries,
@@ -284,10 +303,13 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             exc.status_code,
         )
 
+    public = frozenset({"/health", *config.public_routes})
+
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
-        """Every /v1 route: the request's tenant, from its verified credentials (a 401)."""
-        if request.url.path.startswith("/v1"):
+        """Every route but the public ones: the request's tenant, from its verified credentials
+        (a 401 when keys are configured and they are not one's)."""
+        if request.url.path not in public:
             headers = request.headers
             try:
                 request.state.tenant = tenants.authenticate(headers.get("authorization"),
@@ -364,41 +386,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
-        completion.check_model(req.model)
-        tok = engine.tokenizer
-        if req.messages is not None:
-            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            try:
-                ids = await asyncio.to_thread(
-                    render_chat, tok, req.messages, tools=tools,
-                    add_generation_prompt=req.add_generation_prompt,
-                    continue_final_message=req.continue_final_message,
-                    add_special_tokens=bool(req.add_special_tokens),
-                    content_format=config.chat_template_content_format,
-                    chat_template=req.chat_template, chat_template_kwargs=req.chat_template_kwargs,
-                )  # fmt: skip
-            except InvalidArgumentError as exc:
-                raise APIError(str(exc), 400, exc.param) from exc
-        elif req.prompt is not None:
-            add = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = tok.encode(req.prompt, add_special_tokens=add)
-        else:
-            raise APIError("tokenize: give either 'prompt' or 'messages'", 400, "prompt")
-        body = {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
-        if req.return_token_strs:
-            body["token_strs"] = tok.convert_ids_to_tokens(ids)
-        return body
+        return await tokenization.tokenize(req)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
-        completion.check_model(req.model)
-        vocab = len(engine.tokenizer)
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
-        if bad:
-            raise APIError(
-                f"tokens: ids {bad[:8]} are outside the vocabulary [0, {vocab})", 400, "tokens"
-            )
-        return {"prompt": engine.tokenizer.decode(req.tokens)}
+        return await tokenization.detokenize(req)
 
     app.add_middleware(Gate, max_body_bytes=config.max_request_body_bytes,
                        activity=app.state.activity)

@@ -24,8 +24,8 @@ from websockets.sync.client import connect
 
 from prefixserve.api.frontend.tool_call_retention import ToolCallRetention
 from prefixserve.api.server import ServerConfig, create_app
-from prefixserve.config import EngineConfig
-from prefixserve.engine import LLMEngine
+from prefixserve.core.config import EngineConfig
+from prefixserve.engine.llm_engine import LLMEngine
 
 KEY = "front-door-key"
 AUTH = {"authorization": f"Bearer {KEY}"}

@@ -50,11 +50,23 @@ class Breakpoint:
 
 
 def breakpoints(req: CountTokensRequest, drop_attribution: bool) -> list[Breakpoint]:
-    """Every breakpoint of ``req`` in prompt order; a 400 on a malformed one or too many."""
+    """Every breakpoint of ``req`` in prompt order; a 400 on a malformed one or too many. The
+    marks are counted first: each one's cut copies the conversation before it, so the cap is
+    checked before any cut is made (20,000 marks cost one pass, not 20,000 copies)."""
     found: list[Breakpoint] = []
     tools = req.tools or []
     system = [{"type": "text", "text": req.system}] if isinstance(req.system, str) else req.system
     system = system or []
+    blocks = [*tools, *system]
+    for message in req.messages:
+        blocks += [] if isinstance(message.content, str) else message.content
+    marked = sum(isinstance(b, dict) and b.get("cache_control") is not None for b in blocks)
+    if marked > MAX_BREAKPOINTS:
+        raise APIError(
+            f"cache_control: at most {MAX_BREAKPOINTS} blocks may carry it, found {marked}",
+            400,
+            "cache_control",
+        )
     for k, tool in enumerate(tools):
         if (ttl := _ttl(tool, f"tools[{k}]")) is not None:
             head = system_messages(system, drop_attribution)
@@ -69,12 +81,6 @@ def breakpoints(req: CountTokensRequest, drop_attribution: bool) -> list[Breakpo
             if (ttl := _ttl(block, f"messages[{i}].content[{j}]")) is not None:
                 head = _cut_messages(req, i, j, drop_attribution)
                 found.append(Breakpoint(ttl, head, convert_tools(tools) or None))
-    if len(found) > MAX_BREAKPOINTS:
-        raise APIError(
-            f"cache_control: at most {MAX_BREAKPOINTS} blocks may carry it, found {len(found)}",
-            400,
-            "cache_control",
-        )
     return found
 
 
@@ -86,7 +92,7 @@ def _ttl(block: Any, at: str) -> float | None:
     if not isinstance(mark, dict) or mark.get("type") != "ephemeral":
         raise APIError(f'{at}.cache_control: must be {{"type": "ephemeral"}}', 400, "cache_control")
     ttl = mark.get("ttl", "5m")
-    if ttl not in TTLS_S:
+    if not isinstance(ttl, str) or ttl not in TTLS_S:
         raise APIError(
             f"{at}.cache_control.ttl: must be one of {list(TTLS_S)}, got {ttl!r}",
             400,

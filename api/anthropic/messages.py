@@ -118,9 +118,10 @@ class MessagesServing(TemplateServing):
     ) -> tuple[list[int], tuple[tuple[int, float], ...]]:
         """The prompt, and (position, TTL) of each ``cache_control`` breakpoint in it (a cut the
         template refuses to render marks nothing)."""
+        found = breakpoints(req, self.drop_attribution)  # a malformed mark: a 400 first
         prompt = self._render(chat_req, tools)
         marks = []
-        for mark in breakpoints(req, self.drop_attribution):
+        for mark in found:
             try:
                 cut = self.render(mark.messages, mark.tools, add_generation_prompt=False,
                                   chat_template_kwargs=chat_req.chat_template_kwargs)  # fmt: skip
@@ -147,17 +148,19 @@ class MessagesServing(TemplateServing):
             marks, tenant.namespace(req.cache_salt), tenant.owner
         )
         message_id = random_id("msg_")
+        results = [m["tool_call_id"] for m in chat_req.messages if m.get("role") == "tool"]
         streams = await self.add_all(message_id, [prompt], [inputs.params], "messages",
                                      inputs.grammar_source)  # fmt: skip
-        self.tool_calls.resumed(inputs, [m.get("tool_call_id") for m in chat_req.messages
-                                         if m.get("role") == "tool"])  # fmt: skip
-        thinking = req.thinking or {}
-        if thinking.get("type") == "enabled":
-            streams = [BudgetedStream(self.engine, streams[0], prompt, inputs.params,
-                                      thinking["budget_tokens"], self.reasoning_parser or "qwen3",
-                                      inputs.prompt_tail, self.request_timeout)]  # fmt: skip
-        if req.stream:
-            return event_stream(self._stream(message_id, model, streams, inputs, marks))
+        with self.owned(streams):
+            self.tool_calls.resumed(inputs, results)
+            thinking = req.thinking or {}
+            if thinking.get("type") == "enabled":
+                streams = [BudgetedStream(self.engine, streams[0], prompt, inputs.params,
+                                          thinking["budget_tokens"],
+                                          self.reasoning_parser or "qwen3", inputs.prompt_tail,
+                                          self.request_timeout)]  # fmt: skip
+            if req.stream:
+                return event_stream(self._stream(message_id, model, streams, inputs, marks))
         final = (await self.collect(raw_request, streams))[0]
         c = final.outputs[0]
         blocks = BlockEvents(self.reply_parser(inputs))

@@ -1,9 +1,17 @@
-"""The door of the HTTP server: protocol-shaped error bodies, the body-size limit, and graceful
-drain, which counts HTTP requests and WebSocket turns alike (``Activity``).
+"""The door of the HTTP server: protocol-shaped error bodies, the body-size limit, the last
+resort for unexpected errors, and graceful drain, which counts HTTP requests and WebSocket turns
+alike (``Activity``).
 
-On SIGTERM (``drain``) every new request gets a 503, a new WebSocket upgrade is refused (close
-1013, before it is accepted), a connected WebSocket's next frame gets a 503 error event, and
-what is in flight gets ``grace_seconds`` before its engine requests are aborted with a 503.
+An exception no handler turned into a response (a bug: a field of an unexpected type that slipped
+past validation) is answered here as a 500 ``internal_error`` in the route's shape (Anthropic's on
+/v1/messages), logged with its traceback, and not raised further: uvicorn closes a connection
+whose application raised, so the client's keep-alive connection survives only this way. An error
+after the response started (a stream) cannot be answered; the stream drivers end those.
+
+On SIGTERM (``drain``) every new request gets a 503, a new WebSocket upgrade is refused (an HTTP
+503 with ``Retry-After`` in answer to the handshake), a connected WebSocket's next frame gets a
+503 error event, and what is in flight gets ``grace_seconds`` before its engine requests are
+aborted with a 503.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from fastapi.responses import JSONResponse
 
 from prefixserve.api.anthropic.protocol import anthropic_error, is_messages_path
 from prefixserve.api.async_engine import RETRY_AFTER_SECONDS
-from prefixserve.api.frontend.protocol import APIError
+from prefixserve.api.frontend.protocol import APIError, internal_error
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +43,25 @@ def error_response(exc: APIError, path: str = "") -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=exc.headers)
 
 
-async def _send_error(send, exc: APIError, path: str) -> None:
-    """Answer a raw ASGI request with ``exc`` as a JSON error body."""
+async def _send_error(send, exc: APIError, path: str, prefix: str = "http") -> None:
+    """Answer a raw ASGI request with ``exc`` as a JSON error body (``prefix`` "websocket.http":
+    as the answer to a WebSocket handshake, ASGI's denial response)."""
     status, content = error_response_body(exc, path)
     body = json.dumps(content).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": f"{prefix}.response.start", "status": status, "headers": headers})
+    await send({"type": f"{prefix}.response.body", "body": body})
+
+
+async def deny_websocket(ws, exc: APIError) -> None:
+    """Refuse a WebSocket handshake with ``exc`` as an HTTP response (its status and JSON body),
+    as OpenAI's Responses WebSocket does: clients (Codex) read the status (401, 503) the way they
+    read it over HTTP. Servers without ASGI's denial-response extension close instead (1008)."""
+    if "websocket.http.response" in ws.scope.get("extensions", {}):
+        await _send_error(ws.send, exc, ws.url.path, "websocket.http")
+    else:
+        await ws.close(code=1008, reason=exc.message[:120])
 
 
 class Activity:
@@ -85,7 +104,10 @@ class Gate:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "websocket" and self.activity.draining:
             await receive()  # the connect message
-            await send({"type": "websocket.close", "code": 1013, "reason": "shutting down"})
+            if "websocket.http.response" in scope.get("extensions", {}):
+                await _send_error(send, self.activity.refusal(), scope["path"], "websocket.http")
+            else:
+                await send({"type": "websocket.close", "code": 1013, "reason": "shutting down"})
             return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
@@ -118,12 +140,23 @@ class Gate:
             replayed = True
             return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
+        started = False
+
+        async def tracked_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         self.activity.in_flight += 1
         try:
-            await self.app(scope, replay, send)
+            await self.app(scope, replay, tracked_send)
+        except Exception as exc:
+            if started:
+                raise  # the response is under way: nothing can be answered any more
+            logger.exception("unexpected error on %s", scope["path"], exc_info=exc)
+            await _send_error(send, internal_error(exc), scope["path"])
         finally:
             self.activity.in_flight -= 1
-
 
 
 

@@ -38,6 +38,7 @@ from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.core.outputs import CompletionOutput
 from prefixserve.core.sampling_params import BeamSearchParams, SamplingParams
 from prefixserve.engine.chat_template import render_chat
+from prefixserve.engine.request_chat_template import TemplateLimits
 from prefixserve.structured_outputs.params import StructuredOutputsParams
 from prefixserve.structured_outputs.tool_calls import optional_tool_call_params, tool_call_params
 
@@ -60,7 +61,8 @@ class EngineInputs:
 class TemplateServing(BaseServing):
     """The serving base of the protocols that render a chat template (chat completions,
     Responses, Messages): one ``--tool-call-parser``, one ``--reasoning-parser``, one content
-    format for all of them."""
+    format for all of them. ``template_limits``: the bounds a request's own ``chat_template``
+    renders under (``request_chat_template``); None refuses one (a 400)."""
 
     def __init__(
         self,
@@ -70,9 +72,11 @@ class TemplateServing(BaseServing):
         reasoning_parser: str | None = None,
         content_format: str = "auto",
         retain_tool_calls: bool = True,
+        template_limits: TemplateLimits | None = None,
         **options: Any,
     ) -> None:
         super().__init__(engine, served_model_names, **options)
+        self.template_limits = template_limits
         self.tool_calls = ToolCallRetention(engine, retain_tool_calls)
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
@@ -100,10 +104,20 @@ class TemplateServing(BaseServing):
         return ToolMode(tools.choice)
 
     def render(self, messages: list[dict], tools: list[dict] | None, **template: Any) -> list[int]:
-        """The chat template's prompt ids (a 400 naming the field the template refused)."""
+        """The chat template's prompt ids (a 400 naming the field the template refused, or a
+        request's ``chat_template`` the server does not accept)."""
+        if template.get("chat_template") is not None and self.template_limits is None:
+            raise APIError(
+                "chat_template: this server renders the model's own chat template only; leave "
+                "chat_template out (an operator may accept one per request with "
+                "--allow-client-chat-template)",
+                400,
+                "chat_template",
+            )
         try:
             return render_chat(self.engine.tokenizer, messages, tools=tools,
-                               content_format=self.content_format, **template)  # fmt: skip
+                               content_format=self.content_format,
+                               template_limits=self.template_limits, **template)  # fmt: skip
         except InvalidArgumentError as exc:
             raise APIError(str(exc), 400, exc.param) from exc
 

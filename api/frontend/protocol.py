@@ -1,6 +1,7 @@
 """What every protocol front shares on the wire: ``APIError`` (a typed error the HTTP layer turns
 into the protocol's error body), OpenAI's error shape, ids, the lenient request base (clients
-send extra fields freely: unknown fields are accepted and ignored), and ``ToolRequest``, the tool
+send extra fields freely: unknown fields are accepted and ignored; a float field must be finite,
+as JSON parsers here read ``1e400`` as infinity and accept ``NaN``), and ``ToolRequest``, the tool
 fields of any protocol's request in one shape."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ def random_id(prefix: str) -> str:
 
 
 class Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,3 +81,10 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.status, self.param)
+
+
+def internal_error(exc: BaseException) -> APIError:
+    """The 500 an unexpected exception is answered with (a bug, logged where it is caught): its
+    kind only, never its text, which may hold internals."""
+    return APIError(f"internal error ({type(exc).__name__}); the server logged it, retry or "
+                    "report it", 500, err_type="internal_error")  # fmt: skip

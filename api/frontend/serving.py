@@ -2,15 +2,19 @@
 admission, and collecting a non-streamed reply.
 
 A request becomes one or more engine requests (one per prompt), admitted whole or refused whole
-(503 when the waiting queue is full). Every engine request a handler added is aborted when the
-handler ends before it finished (client gone, error, timeout, cancellation); streams are driven by
+(503 when the waiting queue is full). Every check a client can fail runs before ``add_all``; every
+engine request a handler added is aborted when the handler ends before it finished (client gone,
+error, timeout, cancellation): between ``add_all`` and the reply taking the streams over, the
+handler holds them in ``owned`` (any exception aborts them); streams are driven by
 ``stream.drive``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import Request
@@ -221,6 +225,16 @@ class BaseServing:
         for stream in streams:
             if not stream.finished:
                 self.engine.abort(stream.request_id)
+
+    @contextlib.contextmanager
+    def owned(self, streams: list[RequestStream]) -> Iterator[None]:
+        """Abort ``streams`` if the block raises: what runs after ``add_all`` until the reply
+        (``collect`` or a stream driver, which abort in their turn) owns them."""
+        try:
+            yield
+        except BaseException:
+            self.abort_all(streams)
+            raise
 
     async def collect(
         self, raw_request: Request, streams: list[RequestStream]

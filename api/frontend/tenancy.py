@@ -4,7 +4,8 @@ A tenant is an API key's identity plus the request's ``cache_salt``, everywhere:
 
     API keys (--api-key K, repeatable; --api-keys-file {"K": "team-a", ...})
         -> tenant name (a bare --api-key is its own tenant, named by the key's digest)
-    request: Authorization: Bearer K | x-api-key: K   both verified when both are sent
+    request: Authorization: Bearer K | x-api-key: K   both verified when both are sent; an
+             Authorization without the Bearer scheme is no credential (a 401 with keys)
         -> Tenant(identity, isolated)
              .cache_salt(salt)   the engine's cache salt: KV block hashes' extra keys, partial
                                  tails, the suffix index, KV events and the router all follow it
@@ -80,10 +81,14 @@ class Tenants:
 
     def authenticate(self, authorization: str | None, x_api_key: str | None) -> Tenant:
         """The tenant of a request's credentials; a 401 when keys are configured and one is
-        missing, unknown, or two name different tenants."""
-        given = [k for k in (_bearer(authorization), x_api_key) if k is not None]
+        missing, unknown, not in the Bearer scheme, or two name different tenants."""
+        bearer = _bearer(authorization)
+        given = [k for k in (bearer, x_api_key) if k is not None]
         if not self.enabled:
             return Tenant(_digest(given[0]) if given else "")
+        if authorization is not None and bearer is None:
+            raise APIError("Unauthorized: send the key as 'Authorization: Bearer KEY' (or "
+                           "'x-api-key: KEY')", 401)  # fmt: skip
         names = {self._tenant_of(key) for key in given}
         if not given or None in names or len(names) > 1:
             raise APIError("Unauthorized: a valid API key is required", 401)
@@ -102,10 +107,11 @@ def key_tenants(api_keys: list[str]) -> dict[str, str]:
 
 
 def _bearer(authorization: str | None) -> str | None:
+    """The token of ``Authorization: Bearer TOKEN``; None for any other header (or none)."""
     if authorization is None:
         return None
     scheme, _, token = authorization.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else authorization
+    return token.strip() if scheme.lower() == "bearer" else None
 
 
 def read_keys_file(path: str) -> dict[str, str]:

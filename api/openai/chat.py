@@ -74,6 +74,7 @@ class ChatServing(TemplateServing):
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs: requires logprobs=true", 400, "top_logprobs")
         tools = req.tool_request()
+        results = tool_results(req.messages)
         structured, source = structured_outputs_of(req)
         if structured is not None and tools.choice in ("required", "named"):
             raise APIError(f"{source}: cannot be combined with a forced tool_choice", 400, source)
@@ -96,10 +97,11 @@ class ChatServing(TemplateServing):
         streams = await self.add_all(request_id, [prompt], [inputs.params], "messages",
                                      inputs.grammar_source,
                                      routing_key(namespace, req.prompt_cache_key))  # fmt: skip
-        self.tool_calls.resumed(inputs, [m.get("tool_call_id") for m in req.messages
-                                         if m.get("role") == "tool"])  # fmt: skip
-        if req.stream:
-            return event_stream(self._stream(req, request_id, model, streams, inputs), headers)
+        with self.owned(streams):
+            self.tool_calls.resumed(inputs, results)
+            if req.stream:
+                return event_stream(self._stream(req, request_id, model, streams, inputs),
+                                    headers)  # fmt: skip
         final = (await self.collect(raw_request, streams))[0]
         choices = [self._choice(req, c, inputs) for c in final.outputs]
         for c, choice in zip(final.outputs, choices):
@@ -243,6 +245,19 @@ class ChatServing(TemplateServing):
 
         return chunk_stream(streams, self.abort_all, base, events, req.stream_options,
                             first_chunks=roles, usage_details=usage_details)  # fmt: skip
+
+
+def tool_results(messages: list[dict]) -> list[str]:
+    """The ``tool_call_id`` of each tool message (a 400 for one that is not a string: checked
+    before anything reaches the engine)."""
+    ids = []
+    for i, m in enumerate(messages):
+        call_id = m.get("tool_call_id") if isinstance(m, dict) and m.get("role") == "tool" else None
+        if call_id is not None and not isinstance(call_id, str):
+            raise APIError(f"messages[{i}].tool_call_id: must be a string", 400, "messages")
+        if call_id is not None:
+            ids.append(call_id)
+    return ids
 
 
 def _finish(c: CompletionOutput) -> Finish:

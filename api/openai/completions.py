@@ -37,8 +37,9 @@ class CompletionServing(BaseServing):
         ]
         request_id = random_id("cmpl-")
         streams = await self.add_all(request_id, prompts, params, "prompt", source)
-        if req.stream:
-            return event_stream(self._stream(req, request_id, model, streams))
+        with self.owned(streams):
+            if req.stream:
+                return event_stream(self._stream(req, request_id, model, streams))
         finals = await self.collect(raw_request, streams)
         choices = [self._choice(req, p * req.n, final, c) for p, final in enumerate(finals)
                    for c in final.outputs]  # fmt: skip

@@ -32,7 +32,9 @@ class EngineConfig:
     KV budget: ``num_kv_blocks`` when given, else ``kv_cache_memory_gb`` (default: 1 GiB on CPU,
     90% of free memory after loading the model on CUDA). ``max_model_len`` defaults to the model's
     ``max_position_embeddings``. ``max_num_batched_tokens`` is the per-step token budget that
-    prefill chunks and decode tokens share. ``enable_jump_forward``: under a grammar, append
+    prefill chunks and decode tokens share. ``max_stop_strings`` (also the cap on
+    ``stop_token_ids``) and ``max_stop_string_chars`` bound a request's stops, which every step
+    checks on the engine thread (``prefixserve.engine.preprocessor``). ``enable_jump_forward``: under a grammar, append
     the text it forces (JSON keys, a forced tool call's name) without sampling it token by token.
     ``kv_events_endpoint`` (e.g. ``tcp://*:5557``): publish the prefix cache's changes there
     (vLLM's KV-event format, ZMQ PUB), with a replay socket at ``kv_events_replay_endpoint``.
@@ -72,6 +74,8 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 1024
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enable_jump_forward: bool = True
@@ -147,6 +151,10 @@ class EngineConfig:
             "max_num_batched_tokens",
             f"must be an integer >= 1, got {self.max_num_batched_tokens!r}",
         )
+        for name in ("max_stop_strings", "max_stop_string_chars"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value >= 1, name,
+                    f"must be an integer >= 1, got {value!r}")  # fmt: skip
         require(
             self.scheduling_policy in _POLICIES,
             "scheduling_policy",

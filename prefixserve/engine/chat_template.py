@@ -19,6 +19,10 @@ Tool calls in assistant messages carry ``arguments`` as the JSON text OpenAI cli
 Templates that test ``arguments is string`` (hermes, Qwen) write it verbatim; the others (Llama,
 Mistral, Qwen3-Coder) iterate or ``tojson`` it, so for them it is parsed into a dict first, as
 vLLM does. Either way a call generated in the template's syntax re-renders byte for byte.
+
+A ``chat_template`` given with ``template_limits`` is a request's (the client's code): it renders
+under those bounds in ``request_chat_template``; without, it is trusted as the checkpoint's is
+(the offline ``LLM``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import jinja2
 import jinja2.nodes
 
 from prefixserve.core.errors import InvalidArgumentError
+from prefixserve.engine.request_chat_template import TemplateLimits, render_request_template
 
 CONTENT_FORMATS = ("auto", "string", "openai")
 _TEXT_PARTS = ("text", "input_text")
@@ -58,8 +63,10 @@ def render_chat_text(
     chat_template: str | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     documents: list[dict] | None = None,
+    template_limits: TemplateLimits | None = None,
 ) -> str:
-    """The text the chat template renders for a conversation (``render_chat`` tokenizes it)."""
+    """The text the chat template renders for a conversation (``render_chat`` tokenizes it);
+    ``template_limits``: the bounds a given ``chat_template`` renders under (see the module doc)."""
     if add_generation_prompt and continue_final_message:
         raise InvalidArgumentError(
             "continue_final_message: cannot be combined with add_generation_prompt=true; set "
@@ -85,6 +92,11 @@ def render_chat_text(
     if isinstance(template, str) and not takes_string_arguments(template):
         conversation = [_parsed_arguments(m) for m in conversation]
     kwargs = dict(chat_template_kwargs or {})
+    if chat_template is not None and template_limits is not None:
+        variables = {**kwargs, "tools": tools, "documents": documents,
+                     "add_generation_prompt": add_generation_prompt}  # fmt: skip
+        return render_request_template(tokenizer, chat_template, conversation, template_limits,
+                                       variables, continue_final_message)  # fmt: skip
     try:
         return tokenizer.apply_chat_template(
             conversation, tools=tools, documents=documents, chat_template=chat_template,

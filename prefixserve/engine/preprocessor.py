@@ -4,8 +4,10 @@
 
     prompt (text | token ids) + params
       -> tokenize (text only) -> truncate (``truncate_prompt_tokens``: keep the last k)
-      -> validate: non-empty, ids in the vocabulary, fits the context (prompt + max_tokens),
-         the width (n, beam_width) fits a step, whole prompts when chunked prefill is off
+      -> validate: fits the context (prompt + max_tokens) first (so an over-long prompt costs
+         no scan), non-empty, ids in the vocabulary, the width (n, beam_width) fits a step,
+         whole prompts when chunked prefill is off, stops within their caps, every float
+         parameter finite (JSON's ``1e400`` is inf, Python's ``NaN`` a float)
       -> bad_words as token sequences -> grammar submitted for compiling (once, cached by spec)
       -> PreparedRequest
 
@@ -15,12 +17,21 @@ offline ``LLM``, the HTTP handlers (through ``AsyncEngine.prepare``) and ``LLMEn
 all go through ``process``; a request prepared once is never tokenized or validated again. What
 only the engine can check (whether the request could ever fit in the KV cache) stays there.
 
+Stops are capped because the engine thread checks them for every generated token of every
+sequence, so one request's cost falls on every tenant's: at most ``max_stop_strings`` stop strings
+of at most ``max_stop_string_chars`` characters each, and ``max_stop_strings`` stop token ids
+(``StepLimits``, from ``EngineConfig``; defaults 64 and 1,024: OpenAI allows 4 strings,
+lm-eval's ``until`` and LangChain's ``stop`` send a handful).
+
 Thread-safe: it holds no mutable state (the grammar manager is thread-safe), so handlers call it
-on the event loop while the engine steps on its own thread.
+on the event loop while the engine steps on its own thread. Its work is linear in a prompt that
+fits the context (the handlers tokenize and render off the loop, before it).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -60,10 +71,14 @@ class StepLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 1024
 
     @classmethod
     def of(cls, config: EngineConfig) -> StepLimits:
-        return cls(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
+        return cls(config.max_num_seqs, config.max_num_batched_tokens,
+                   config.enable_chunked_prefill, config.max_stop_strings,
+                   config.max_stop_string_chars)  # fmt: skip
 
 
 class RequestPreprocessor:
@@ -84,6 +99,7 @@ class RequestPreprocessor:
         self.max_num_seqs = limits.max_num_seqs
         self.max_num_batched_tokens = limits.max_num_batched_tokens
         self.enable_chunked_prefill = limits.enable_chunked_prefill
+        self.limits = limits
         self.structured_outputs = structured_outputs
 
     def process(self, prompt: str | list[int], params: Params) -> PreparedRequest:
@@ -92,8 +108,10 @@ class RequestPreprocessor:
         truncate = getattr(params, "truncate_prompt_tokens", None)
         if truncate is not None and len(token_ids) > truncate:
             text, token_ids = None, token_ids[-truncate:]
-        self._check_prompt(token_ids, params)
         max_total = self.check_context(len(token_ids), params.max_tokens)
+        self._check_prompt(token_ids, params)
+        _check_stops(params, self.limits)
+        _check_finite(params)
         width = params.beam_width if isinstance(params, BeamSearchParams) else params.n
         self._check_width(width)
         bad_words = self._bad_words(getattr(params, "bad_words", None) or [])
@@ -171,3 +189,34 @@ class RequestPreprocessor:
                 if ids and ids not in sequences:
                     sequences.append(ids)
         return tuple(sequences)
+
+
+def _check_stops(params: Params, limits: StepLimits) -> None:
+    """The caps of the module doc (``InvalidArgumentError`` naming the field and the cap)."""
+    stops = params.stop or []
+    if len(stops) > limits.max_stop_strings:
+        raise InvalidArgumentError(
+            f"stop: at most {limits.max_stop_strings} stop strings, got {len(stops)}", "stop"
+        )
+    long = next((s for s in stops if len(s) > limits.max_stop_string_chars), None)
+    if long is not None:
+        raise InvalidArgumentError(
+            f"stop: each stop string is at most {limits.max_stop_string_chars} characters, got "
+            f"one of {len(long)}",
+            "stop",
+        )
+    ids = params.stop_token_ids or []
+    if len(ids) > limits.max_stop_strings:
+        raise InvalidArgumentError(
+            f"stop_token_ids: at most {limits.max_stop_strings} ids, got {len(ids)}",
+            "stop_token_ids",
+        )
+
+
+def _check_finite(params: Params) -> None:
+    """Every float parameter (and ``logit_bias`` value) is finite."""
+    for f in dataclasses.fields(params):
+        value = getattr(params, f.name)
+        values = value.values() if isinstance(value, dict) else (value,)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            raise InvalidArgumentError(f"{f.name}: must be a finite number, got {value!r}", f.name)

@@ -115,14 +115,24 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "--api-key",
         action="append",
         default=None,
-        help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1/*; repeat for "
-        "several keys, each its own tenant (default: $PREFIXSERVE_API_KEY)",
+        help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every route but /health "
+        "and --public-route ones; repeat for several keys, each its own tenant (default: "
+        "$PREFIXSERVE_API_KEY)",
     )
     p.add_argument(
         "--api-keys-file",
         default=None,
         help='a JSON file {"KEY": "tenant name", ...}: keys with the same name are one tenant '
         "(docs/tenancy.md)",
+    )
+    p.add_argument(
+        "--public-route",
+        dest="public_routes",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="answer PATH without an API key (repeatable; e.g. /metrics for a scraper, /dashboard "
+        "and /stats for the page; never a /v1 path)",
     )
     p.add_argument(
         "--share-prefix-cache-across-tenants",
@@ -177,6 +187,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "string", "openai"],
         default="auto",
         help="message content as one string or as OpenAI parts (auto: what the template reads)",
+    )
+    p.add_argument(
+        "--allow-client-chat-template",
+        action="store_true",
+        help="accept a request's own chat_template (/v1/chat/completions, /tokenize), rendered "
+        "with bounded output and steps; for clients trusted to run template code (default: 400)",
     )
     p.add_argument(
         "--keep-attribution-header",
@@ -280,6 +296,8 @@ def run_serve(args: argparse.Namespace) -> int:
         served_model_names=list(args.served_model_name or []),
         api_keys=api_keys(args.api_key, args.api_keys_file),
         share_prefix_cache_across_tenants=args.share_prefix_cache_across_tenants,
+        public_routes=args.public_routes,
+        allow_client_chat_template=args.allow_client_chat_template,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         max_waiting_requests=args.max_waiting_requests,

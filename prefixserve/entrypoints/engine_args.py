@@ -25,6 +25,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument(
+        "--max-stop-strings",
+        type=int,
+        default=64,
+        help="most stop strings (and stop_token_ids) one request may give; past it a 400",
+    )
+    p.add_argument(
+        "--max-stop-string-chars",
+        type=int,
+        default=1024,
+        help="longest stop string one request may give; past it a 400",
+    )
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument(
         "--no-enable-jump-forward",
@@ -159,6 +171,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_chars=args.max_stop_string_chars,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_jump_forward=args.enable_jump_forward,
         scheduling_policy=args.scheduling_policy,

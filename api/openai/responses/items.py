@@ -54,7 +54,7 @@ def normalize_input(value: str | list[Any]) -> list[dict[str, Any]]:
             raise _bad(i, "every item must be an object")
         item = copy.deepcopy(raw)
         kind = item.setdefault("type", "message")
-        if kind not in _ID_PREFIX:
+        if not isinstance(kind, str) or kind not in _ID_PREFIX:
             raise _bad(
                 i,
                 f"items of type {kind!r} are not supported; send message, function_call, "
@@ -71,7 +71,7 @@ def normalize_input(value: str | list[Any]) -> list[dict[str, Any]]:
 
 def _check(i: int, item: dict[str, Any]) -> None:
     kind = item["type"]
-    if kind == "message" and item.get("role") not in _ROLES:
+    if kind == "message" and not (isinstance(item.get("role"), str) and item["role"] in _ROLES):
         raise _bad(i, f"role must be one of {sorted(_ROLES)}, got {item.get('role')!r}")
     if kind in _CALLS:
         for key in ("call_id", "name", "arguments" if kind == "function_call" else "input"):

@@ -201,27 +201,30 @@ class ResponsesServing(TemplateServing):
         response_id = random_id("resp_")
         inputs.params.kv_retention = retention_of(req.prompt_cache_retention, retention_session(
             tenant.namespace(req.cache_salt), response_id), tenant.owner)  # fmt: skip
+        results = [i["call_id"] for i in new_items if i.get("type") in (
+            "function_call_output", "custom_tool_call_output")]  # fmt: skip
+        headers = self._notices(req, offered)
         streams = await self.add_all(
             response_id, [prompt.token_ids], [inputs.params], "input", inputs.grammar_source,
             routing_key(tenant.namespace(req.cache_salt), req.prompt_cache_key))  # fmt: skip
-        self.tool_calls.resumed(inputs, [i.get("call_id") for i in new_items if i.get("type") in (
-            "function_call_output", "custom_tool_call_output")])  # fmt: skip
-        truncated = len(items) < len(history) + len(new_items)
-        self.truncations += truncated
-        self.tools_not_offered.update(offered.not_offered)
-        if prev is not None:
-            kind = "token_exact" if prompt.token_exact else "rerendered"
-            self.continuations["truncated" if truncated else kind] += 1
+        with self.owned(streams):
+            self.tool_calls.resumed(inputs, results)
+            truncated = len(items) < len(history) + len(new_items)
+            self.truncations += truncated
+            self.tools_not_offered.update(offered.not_offered)
+            if prev is not None:
+                kind = "token_exact" if prompt.token_exact else "rerendered"
+                self.continuations["truncated" if truncated else kind] += 1
 
-        def new_output() -> ResponseOutput:
-            return ResponseOutput(self.reply_parser(inputs), LOGPROBS in (req.include or []),
-                                  offered.namespaces, offered.custom)  # fmt: skip
+            def new_output() -> ResponseOutput:
+                return ResponseOutput(self.reply_parser(inputs), LOGPROBS in (req.include or []),
+                                      offered.namespaces, offered.custom)  # fmt: skip
 
-        parent = None if prev is None or truncated else req.previous_response_id
-        owner = (tenant, connection, parent, len(history))
-        turn = ResponseTurn(self, req, response_id, model, owner, items, prompt,
-                            (inputs, new_output))  # fmt: skip
-        turn.headers = self._notices(req, offered)
+            parent = None if prev is None or truncated else req.previous_response_id
+            owner = (tenant, connection, parent, len(history))
+            turn = ResponseTurn(self, req, response_id, model, owner, items, prompt,
+                                (inputs, new_output))  # fmt: skip
+            turn.headers = headers
         return turn, streams
 
     def _notices(self, req: ResponsesRequest, offered: ResponsesTools) -> dict[str, str]:
@@ -334,7 +337,7 @@ def _text_format(
     """``text.format`` as a grammar and its field (a forced call writes no text, so the front half
     applies it to the turns that write text)."""
     fmt = (req.text or {}).get("format") or {"type": "text"}
-    kind = fmt.get("type")
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
     try:
         if kind == "json_object":
             return StructuredOutputsParams(json_object=True), "text"

@@ -131,6 +131,8 @@ def _custom(i: int, tool: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(tool.get("name"), str) or not tool["name"]:
         raise _refused(i, "a custom tool needs a 'name'")
     fmt = tool.get("format") or {"type": "text"}
+    if not isinstance(fmt, dict):
+        raise _refused(i, "a custom tool's format is {'type': 'text'} or {'type': 'grammar', ...}")
     about = "The tool's free-form input."
     if fmt.get("type") == "grammar":
         about += f" It matches this {fmt.get('syntax', 'lark')} grammar:\n{fmt.get('definition')}"

@@ -11,8 +11,10 @@ continues token-exact from the last (``continuation``).
 
 Robustness: every frame that fails (a binary frame, bad JSON, a 4xx, an unexpected error) gets
 one ``{"type": "error", "status", "error": {...}}`` event and the connection stays open. The
-upgrade is authenticated like any /v1 request (``Authorization`` and ``x-api-key``; a bad key
-closes it with 1008 before it is accepted). Each turn counts as a request in flight for a
+upgrade is authenticated like any /v1 request (``Authorization`` and ``x-api-key``): a bad key is
+refused before the upgrade, with the HTTP 401 and error body a POST would get (``deny_websocket``;
+Codex reads a handshake's status as it reads an HTTP one, where a close after accepting would
+look like a dropped stream to retry). Each turn counts as a request in flight for a
 graceful drain; while draining a new frame gets a 503 event. Closing the connection aborts the
 request in flight and releases its responses.
 """
@@ -25,7 +27,7 @@ from contextlib import aclosing
 from fastapi import WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
-from prefixserve.api.frontend.gate import Activity
+from prefixserve.api.frontend.gate import Activity, deny_websocket
 from prefixserve.api.frontend.protocol import APIError, random_id
 from prefixserve.api.frontend.stream import as_api_error
 from prefixserve.api.frontend.tenancy import Tenant, Tenants
@@ -40,7 +42,7 @@ async def serve_websocket(ws: WebSocket, serving: ResponsesServing, tenants: Ten
     try:
         tenant = tenants.authenticate(ws.headers.get("authorization"), ws.headers.get("x-api-key"))
     except APIError as exc:
-        await ws.close(code=1008, reason=exc.message)
+        await deny_websocket(ws, exc)
         return
     await ws.accept()
     connection = random_id("ws:")

@@ -35,7 +35,7 @@ from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
-from prefixserve.errors import InvalidArgumentError
+from prefixserve.core.errors import InvalidArgumentError
 
 DEFAULT_MAX_STEPS = 1_000_000
 CHARS_PER_TOKEN = 16
