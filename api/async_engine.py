@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prefixserve.api.frontend.protocol import APIError
@@ -319,8 +319,12 @@ class AsyncEngine:
             self._cond.notify()
 
     def snapshot(self) -> EngineStats:
+        """The engine's figures as of its last step; the KV tiers' as of now (their worker
+        goes on storing while the engine idles, and ``KVTierManager.stats`` is thread-safe)."""
         with self._cond:
-            return self._snapshot
+            snapshot = self._snapshot
+        tiers = self.engine.kv_tiers
+        return snapshot if tiers is None else replace(snapshot, kv_tiers=tiers.stats())
 
     # ---- engine-thread side ------------------------------------------------------------------
 

@@ -343,7 +343,11 @@ def _restart(model, common: dict, trace: Trace, folder: Path, baseline: list[Tur
 def _replicas(model, common: dict, trace: Trace, valkey, baseline: list[Turn]) -> dict:
     """Two engines, turns round-robin, without and with the shared tier."""
     out = {}
-    shared = {"kv_shared_url": valkey.url} if valkey is not None else None
+    shared = (
+        {"kv_shared_url": valkey.url, "kv_tier_secret": "benchmark replicas"}
+        if valkey is not None
+        else None
+    )  # one secret: the replicas read each other's blocks
     for name, options in (("round_robin", {}), ("round_robin_shared", shared)):
         if options is None:
             continue

@@ -129,7 +129,7 @@ def test_with_a_host_tier_a_retained_block_leaves_the_budget_once_no_tier_keeps_
     kv = torch.zeros(1, 2, 8, 2, 1, 4)  # [layers, K/V, blocks, block_size, heads, head_dim]
     one_block = 2 * 2 * 1 * 4 * kv.element_size()
     table = RetentionTable(8, clock=Clock())
-    host = HostTier(one_block, is_retained=table.is_retained)  # room for one block
+    host = HostTier(one_block, retained_by=table.tenant_of)  # room for one block
     tiers = KVTierManager([host], block_size=2, dtype=kv.dtype)
     tiers.attach(kv)
     try:

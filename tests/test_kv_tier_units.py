@@ -1,16 +1,25 @@
-"""Each tier module's own decisions, without an engine: eviction order, capacity, retained-last,
-the disk format's checks (flipped byte, truncation, temp files, another fingerprint or format,
-a full disk), the codecs' error bound, the retention table (budget, TTL expiry, release, learned
+"""Each tier module's own decisions, without an engine: eviction order, capacity, retained-last
+within a tenant's quota, the blob format's checks (flipped byte, truncation, temp files, another
+fingerprint, format or secret, a forged or reshaped block, a crafted header, a full disk), the
+tier secret's sources, the shared tier's memory of what it wrote, the codecs' error bound, the retention table (budget, TTL expiry, release, learned
 TTL), the pool's retained LRU and the load/recompute cost model."""
 
 from __future__ import annotations
 
 import errno
+import json
+import struct
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+import valkey
+from safetensors.torch import save as st_save
+from valkey_server import ValkeyProcess
 
+from prefixserve.core.config import EngineConfig
+from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.kv.retention import KVRetention, RetentionTable
 from prefixserve.kv.tiers import codec, payload
@@ -19,10 +28,13 @@ from prefixserve.kv.tiers.block_io import kv_fingerprint
 from prefixserve.kv.tiers.cost import LoadCost
 from prefixserve.kv.tiers.disk import DiskTier
 from prefixserve.kv.tiers.host import HostTier
-from prefixserve.kv.tiers.payload import BlockKey, CorruptBlockError
+from prefixserve.kv.tiers.payload import BlobFormat, BlockKey, CorruptBlockError
+from prefixserve.kv.tiers.secret import SECRET_FILE, mac_key, tier_secret
+from prefixserve.kv.tiers.shared import SharedTier
 
 SHAPE = (2, 2, 4, 2, 8)  # layers, K/V, block_size, kv_heads, head_dim
 FP = "f" * 32
+FMT = BlobFormat(FP, mac_key("test secret"), SHAPE, torch.float32)
 
 
 def block(seed: int) -> torch.Tensor:
@@ -47,7 +59,7 @@ class Clock:
 def test_host_tier_evicts_lru_first_and_retained_last():
     size = codec.nbytes({"kv": block(0)})
     retained = {1001}
-    tier = HostTier(3 * size, is_retained=lambda h: h in retained)
+    tier = HostTier(3 * size, retained_by=lambda h: "A" if h in retained else None)
     for i in range(3):
         assert tier.put(key(i), {"kv": block(i)}) == []
     assert tier.get(key(0)) is not None  # 0 is now the most recently used
@@ -60,6 +72,26 @@ def test_host_tier_evicts_lru_first_and_retained_last():
     assert [k for k, _ in tier.put(key(5), {"kv": block(5)})] == [key(1)]
     assert tier.counters.blocks == 3 and tier.counters.bytes == 3 * size
     assert tier.counters.evictions == 3
+
+
+def test_a_tenants_retained_entries_keep_priority_only_within_its_share():
+    """Tenant A retains four entries of a six-entry tier at share 0.5 (three entries): its
+    oldest goes first, then B's unretained ones while A's three newest stay protected; once every
+    entry is protected, the tenant holding the most bytes loses its oldest."""
+    size = codec.nbytes({"kv": block(0)})
+    owner = {1000: "A", 1001: "A", 1002: "A", 1003: "A"}
+    tier = HostTier(6 * size, retained_by=owner.get, tenant_share=0.5)
+    for i in range(6):  # A's 0..3, then B's unretained 4, 5
+        tier.put(key(i), {"kv": block(i)})
+    assert [k for k, _ in tier.put(key(6), {"kv": block(6)})] == [key(0)]
+    assert [k for k, _ in tier.put(key(7), {"kv": block(7)})] == [key(4)]  # A's 1..3 protected
+    owner.update({1005: "B", 1006: "B", 1007: "C"})  # everyone retains now: A holds most
+    assert [k for k, _ in tier.put(key(8), {"kv": block(8)})] == [key(1)]
+    full = HostTier(6 * size, retained_by=owner.get)  # share 1.0: retained always last
+    for i in range(6):
+        full.put(key(i), {"kv": block(i)})
+    owner.pop(1005)
+    assert [k for k, _ in full.put(key(6), {"kv": block(6)})] == [key(4)]
 
 
 def test_host_tier_compares_token_ids():
@@ -98,28 +130,96 @@ def test_codec_auto_is_exact():
 
 
 def test_payload_round_trip_and_checks():
-    data = payload.encode_block(key(0, parent=7), {"kv": block(0)}, FP)
-    assert torch.equal(payload.decode_block(data, key(0), FP)["kv"], block(0))
-    assert payload.header_key(payload.read_header(data), FP) == key(0, parent=7)
+    data = FMT.encode(key(0, parent=7), {"kv": block(0)})
+    assert torch.equal(FMT.decode(data, key(0))["kv"], block(0))
+    assert FMT.header_key(payload.read_header(data)) == key(0, parent=7)
     with pytest.raises(CorruptBlockError, match="fingerprint"):
-        payload.decode_block(data, key(0), "0" * 32)
+        replace(FMT, fingerprint="0" * 32).decode(data, key(0))
     with pytest.raises(CorruptBlockError, match="another block"):
-        payload.decode_block(data, BlockKey(key(0).block_hash, (5, 5, 5, 5)), FP)
+        FMT.decode(data, BlockKey(key(0).block_hash, (5, 5, 5, 5)))
     flipped = bytearray(data)
     flipped[-3] ^= 0x10
-    with pytest.raises(CorruptBlockError, match="checksum"):
-        payload.decode_block(bytes(flipped), key(0), FP)
+    with pytest.raises(CorruptBlockError, match="MAC"):
+        FMT.decode(bytes(flipped), key(0))
     with pytest.raises(CorruptBlockError):
-        payload.decode_block(data[: len(data) // 2], key(0), FP)
+        FMT.decode(data[: len(data) // 2], key(0))
     with pytest.raises(CorruptBlockError):
-        payload.decode_block(b"\x00" * 4, key(0), FP)
+        FMT.decode(b"\x00" * 4, key(0))
+
+
+def test_a_blob_under_another_secret_or_forged_is_refused():
+    """Whoever can write the folder or the server but lacks the secret cannot make a blob this
+    engine accepts: not under another secret, not with changed values and a matching plain
+    checksum, not with its MAC recomputed under a guessed key."""
+    other = replace(FMT, mac_key=mac_key("another secret"))
+    with pytest.raises(CorruptBlockError, match="MAC"):
+        FMT.decode(other.encode(key(0), {"kv": block(0)}), key(0))
+    forged = block(0).clone()
+    forged[0, 0, 0, 0, 0] += 1.0
+    meta = payload.read_header(FMT.encode(key(0), {"kv": block(0)}))
+    blob = st_save({"kv": forged}, metadata=meta)  # the true block's header and MAC
+    with pytest.raises(CorruptBlockError, match="MAC"):
+        FMT.decode(blob, key(0))
+
+
+@pytest.mark.parametrize(
+    "tensors",
+    [
+        {"kv": torch.zeros(2, 2, 2, 2, 8)},  # a block cut in half
+        {"kv": torch.zeros(SHAPE, dtype=torch.float16)},  # another dtype
+        {"kv": torch.zeros(SHAPE), "extra": torch.zeros(1)},  # more than a block
+        {"q": torch.zeros(SHAPE, dtype=torch.int8), "scale": torch.zeros(SHAPE)},  # bad scales
+    ],
+    ids=["half", "dtype", "extra", "scale"],
+)
+def test_a_blob_is_refused_unless_it_is_exactly_a_pool_block(tensors):
+    """Shape and dtype are checked after the MAC: even a blob signed with the right secret (a
+    bug, an old engine of another layout) never reaches the copy into the pool."""
+    with pytest.raises(CorruptBlockError, match="payload"):
+        FMT.decode(FMT.encode(key(0), tensors), key(0))
+    compressed = codec.encode(block(0), "int8")
+    assert torch.equal(FMT.decode(FMT.encode(key(0), compressed), key(0))["q"], compressed["q"])
+
+
+def test_a_header_with_a_number_where_a_string_belongs_is_a_bad_file(tmp_path):
+    tier = disk(tmp_path)
+    meta = payload.read_header(FMT.encode(key(0), {"kv": block(0)}))
+    path = tier.dir / (key(0).hex + ".kvb")
+    header = json.dumps({"__metadata__": {**meta, "token_ids": 7}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    again = disk(tmp_path)  # start-up goes on: the file is removed
+    assert again.stored_keys() == [] and again.removed_at_start == 1
+
+
+# ---- the tier secret ---------------------------------------------------------------------------
+
+
+def test_the_tier_secret_comes_from_the_config_else_the_disk_folder_else_the_process(
+    tmp_path, caplog
+):
+    given = EngineConfig(kv_cache_dir=str(tmp_path), kv_tier_secret="s3cret")
+    assert tier_secret(given) == "s3cret" and not (tmp_path / SECRET_FILE).exists()
+    kept = tier_secret(EngineConfig(kv_cache_dir=str(tmp_path)))
+    assert len(kept) == 64 and (tmp_path / SECRET_FILE).stat().st_mode & 0o777 == 0o600
+    assert tier_secret(EngineConfig(kv_cache_dir=str(tmp_path))) == kept  # a restart reads it
+    shared = EngineConfig(kv_shared_url="redis://127.0.0.1:1")
+    with caplog.at_level("WARNING"):
+        assert tier_secret(shared) != tier_secret(shared)  # one per process: its blocks alone
+    assert "--kv-tier-secret" in caplog.text
+    assert "s3cret" not in repr(given)
+    (tmp_path / SECRET_FILE).write_text("")
+    with pytest.raises(InvalidArgumentError, match="tier-secret"):
+        tier_secret(EngineConfig(kv_cache_dir=str(tmp_path)))
+    with pytest.raises(InvalidArgumentError, match="kv_tier_secret"):
+        EngineConfig(kv_tier_secret=" ")
+    assert mac_key("a") != mac_key("b") and len(mac_key("x" * 1000)) == 32
 
 
 # ---- disk tier ---------------------------------------------------------------------------------
 
 
 def disk(tmp_path: Path, capacity: int = 1 << 30, **kw) -> DiskTier:
-    return DiskTier(tmp_path, capacity, FP, **kw)
+    return DiskTier(tmp_path, capacity, FMT, **kw)
 
 
 def test_disk_tier_round_trip_and_restart(tmp_path):
@@ -161,7 +261,7 @@ def test_disk_tier_rebuild_removes_temp_and_foreign_files(tmp_path):
     (tier.dir / "leftover.kvb.123.456.tmp").write_bytes(b"half a file")
     (tier.dir / (key(5).hex + ".kvb")).write_bytes(b"garbage")
     # a block of another model, copied into this folder
-    other = payload.encode_block(key(2), {"kv": block(2)}, "0" * 32)
+    other = replace(FMT, fingerprint="0" * 32).encode(key(2), {"kv": block(2)})
     (tier.dir / (key(2).hex + ".kvb")).write_bytes(other)
     # a block under another block's name
     (tier.dir / (key(3).hex + ".kvb")).write_bytes((tier.dir / (key(1).hex + ".kvb")).read_bytes())
@@ -175,7 +275,7 @@ def test_disk_tier_rebuild_removes_temp_and_foreign_files(tmp_path):
 
 def test_disk_tier_format_version_bump_deletes_old_files(tmp_path, monkeypatch):
     disk(tmp_path).put(key(0), {"kv": block(0)})
-    monkeypatch.setattr(payload, "FORMAT_VERSION", "2")
+    monkeypatch.setattr(payload, "FORMAT_VERSION", "3")
     again = disk(tmp_path)
     assert again.stored_keys() == [] and again.removed_at_start == 1
     assert not list(again.dir.iterdir())
@@ -183,15 +283,15 @@ def test_disk_tier_format_version_bump_deletes_old_files(tmp_path, monkeypatch):
 
 def test_disk_tier_keeps_models_apart(tmp_path):
     disk(tmp_path).put(key(0), {"kv": block(0)})
-    other = DiskTier(tmp_path, 1 << 30, "0" * 32)
+    other = DiskTier(tmp_path, 1 << 30, replace(FMT, fingerprint="0" * 32))
     assert other.stored_keys() == [] and other.get(key(0)) is None
     assert disk(tmp_path).contains(key(0))  # the other model's files were left alone
 
 
 def test_disk_tier_evicts_least_recently_used_within_its_size(tmp_path):
-    size = len(payload.encode_block(key(0), {"kv": block(0)}, FP))
+    size = len(FMT.encode(key(0), {"kv": block(0)}))
     retained = {1000}
-    tier = disk(tmp_path, capacity=3 * size + 10, is_retained=lambda h: h in retained)
+    tier = disk(tmp_path, capacity=3 * size + 10, retained_by=lambda h: "A" if h in retained else None)
     for i in range(3):
         tier.put(key(i), {"kv": block(i)})
     tier.get(key(1))
@@ -229,6 +329,35 @@ def test_disk_tier_full_disk_raises_and_leaves_no_file(tmp_path, monkeypatch):
     assert list(tier.dir.iterdir()) == [] and tier.stored_keys() == []
     tier.put(key(1), {"kv": block(1)})  # the tier works again once there is room
     assert tier.contains(key(1))
+
+
+# ---- shared tier -------------------------------------------------------------------------------
+
+
+def test_shared_tier_remembers_what_it_wrote_or_read_and_refuses_other_secrets(tmp_path):
+    server = ValkeyProcess(tmp_path)
+    try:
+        writer = SharedTier(server.url, FMT)
+        assert not writer.contains(key(0))
+        writer.put(key(0), {"kv": block(0)})
+        assert writer.contains(key(0))  # the manager will not write it again
+        assert not writer.contains(BlockKey(key(0).block_hash, (9, 9, 9, 9)))
+        reader = SharedTier(server.url, FMT)
+        assert torch.equal(reader.get(key(0))["kv"], block(0)) and reader.contains(key(0))
+        stranger = SharedTier(server.url, replace(FMT, mac_key=mac_key("another secret")))
+        assert stranger.get(key(0)) is None and stranger.counters.corrupt == 0  # apart
+        assert reader.get(key(0)) is not None  # and nothing of the writer's was deleted
+        client = valkey.Valkey.from_url(server.url)
+        client.set(writer._key(key(1)), stranger.format.encode(key(1), {"kv": block(1)}))
+        assert reader.get(key(1)) is None and reader.counters.corrupt == 1  # forged: deleted
+        assert client.get(writer._key(key(1))) is None
+        client.close()
+        writer.discard(key(0))
+        assert not writer.contains(key(0)) and reader.get(key(0)) is None
+        for tier in (writer, reader, stranger):
+            tier.close()
+    finally:
+        server.kill()
 
 
 # ---- retention ---------------------------------------------------------------------------------

@@ -252,17 +252,19 @@ def test_warm_restart_serves_the_next_turn_from_disk_and_announces_it(model, tmp
     _close(after, plain)
 
 
-def test_two_replicas_share_blocks_through_valkey(model, valkey_server):
-    a = _llm(model, kv_shared_url=valkey_server.url)
-    b = _llm(model, kv_shared_url=valkey_server.url)
+def test_two_replicas_share_blocks_through_valkey_under_one_secret(model, valkey_server):
+    shared = {"kv_shared_url": valkey_server.url, "kv_tier_secret": "replicas' secret"}
+    a, b = _llm(model, **shared), _llm(model, **shared)
+    stranger = _llm(model, kv_shared_url=valkey_server.url)  # no secret: one of its own
     prompt = [1, 2, 3, 4] * 4 + _prompt(100, 1)
     _one(a, prompt)
     a.llm_engine.kv_tiers.close()  # flushed to the server
+    assert _one(stranger, prompt + NEW).num_cached_tokens == 0
     out = _one(b, prompt + NEW)
     assert out.num_cached_tokens == (len(prompt) - 1) // BLOCK * BLOCK
     assert _tier(b, "SHARED")["hits"] == (len(prompt) - 1) // BLOCK
     _assert_same([out], [_one(plain := _llm(model), prompt + NEW)])
-    _close(a, b, plain)
+    _close(a, b, stranger, plain)
 
 
 def test_tenants_never_share_blocks_through_any_tier(model, tmp_path, valkey_server):

@@ -34,8 +34,8 @@ class EngineConfig:
     ``max_position_embeddings``. ``max_num_batched_tokens`` is the per-step token budget that
     prefill chunks and decode tokens share. ``max_stop_strings`` (also the cap on
     ``stop_token_ids``) and ``max_stop_string_chars`` bound a request's stops, which every step
-    checks on the engine thread (``prefixserve.engine.preprocessor``). ``enable_jump_forward``: under a grammar, append
-    the text it forces (JSON keys, a forced tool call's name) without sampling it token by token.
+    checks on the engine thread (``prefixserve.engine.preprocessor``). ``enable_jump_forward``:
+    under a grammar, append the text it forces (JSON keys, a forced tool call's name) without sampling it token by token.
     ``kv_events_endpoint`` (e.g. ``tcp://*:5557``): publish the prefix cache's changes there
     (vLLM's KV-event format, ZMQ PUB), with a replay socket at ``kv_events_replay_endpoint``.
     ``enforce_eager``: run every step eagerly; otherwise decode steps replay a capture made at
@@ -56,7 +56,11 @@ class EngineConfig:
     ``kv_offloading_size`` (GiB, vLLM's name): host memory for evicted blocks, kept as they are
     or compressed (``kv_offloading_dtype`` "int8" / "fp8"); ``kv_cache_dir`` (+ its cap
     ``kv_cache_dir_size`` GiB): a disk tier that survives restarts; ``kv_shared_url``
-    (``redis://HOST:PORT``): a Valkey/Redis tier shared by replicas. Retention
+    (``redis://HOST:PORT``): a Valkey/Redis tier shared by replicas. ``kv_tier_secret``: the key
+    that authenticates disk and shared blocks (``prefixserve.kv.tiers.secret``: without one a
+    disk tier keeps its own, a shared tier alone uses one per process; never printed).
+    ``kv_tier_tenant_share``: the share of a local tier's bytes one tenant's retained blocks
+    keep priority in (``prefixserve.kv.tiers.lru_index``). Retention
     (``SamplingParams.kv_retention``): at most ``kv_retention_budget`` of the pool's blocks are
     protected at once, shared max-min fairly between tenants; each tenant keeps at most
     ``kv_retention_max_sessions`` retained prefixes (its oldest end first); TTLs are capped at
@@ -98,6 +102,8 @@ class EngineConfig:
     kv_cache_dir: str | None = None
     kv_cache_dir_size: float = DEFAULT_KV_CACHE_DIR_GB
     kv_shared_url: str | None = None
+    kv_tier_secret: str | None = field(default=None, repr=False)
+    kv_tier_tenant_share: float = 0.5
     kv_retention_budget: float = 0.5
     kv_retention_default_ttl_s: float = 300.0
     kv_retention_max_ttl_s: float = 3600.0
@@ -223,6 +229,18 @@ class EngineConfig:
             ),
             "kv_shared_url",
             f"must be a redis://HOST:PORT URL or None, got {self.kv_shared_url!r}",
+        )
+        require(
+            self.kv_tier_secret is None
+            or (isinstance(self.kv_tier_secret, str) and self.kv_tier_secret.strip() != ""),
+            "kv_tier_secret",
+            "must be a non-empty string or None",
+        )
+        require(
+            isinstance(self.kv_tier_tenant_share, (int, float))
+            and 0.0 < self.kv_tier_tenant_share <= 1.0,
+            "kv_tier_tenant_share",
+            f"must be a share of a tier in (0, 1], got {self.kv_tier_tenant_share!r}",
         )
         require(
             isinstance(self.kv_retention_budget, (int, float))

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+from pathlib import Path
 
 from prefixserve.core.config import DEFAULT_KV_CACHE_DIR_GB
+
+SECRET_ENV = "PREFIXSERVE_KV_TIER_SECRET"
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -129,6 +133,27 @@ def _add_kv_tier_args(p: argparse.ArgumentParser) -> None:
         metavar="redis://HOST:PORT",
         help="shared tier in a Valkey/Redis server: replicas read the blocks others computed",
     )
+    secret = p.add_mutually_exclusive_group()
+    secret.add_argument(
+        "--kv-tier-secret",
+        default=None,
+        metavar="SECRET",
+        help=f"key that authenticates disk and shared-tier blocks; replicas sharing a tier share "
+        f"it (default: ${SECRET_ENV}, else --kv-tier-secret-file, else kept in --kv-cache-dir)",
+    )
+    secret.add_argument(
+        "--kv-tier-secret-file",
+        default=None,
+        metavar="PATH",
+        help="read --kv-tier-secret from this file (keeps it out of the process list)",
+    )
+    p.add_argument(
+        "--kv-tier-tenant-share",
+        type=float,
+        default=0.5,
+        metavar="SHARE",
+        help="share of each local tier's bytes one tenant's retained blocks keep priority in",
+    )
     p.add_argument(
         "--kv-retention-budget",
         type=float,
@@ -192,11 +217,23 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_dir=args.kv_cache_dir,
         kv_cache_dir_size=args.kv_cache_dir_size,
         kv_shared_url=args.kv_shared_url,
+        kv_tier_secret=_tier_secret(args),
+        kv_tier_tenant_share=args.kv_tier_tenant_share,
         kv_retention_budget=args.kv_retention_budget,
         kv_retention_max_ttl_s=args.kv_retention_max_ttl_s,
         kv_retention_learn_ttl=args.kv_retention_learn_ttl,
         kv_retention_max_sessions=args.kv_retention_max_sessions,
     )
+
+
+def _tier_secret(args: argparse.Namespace) -> str | None:
+    """``--kv-tier-secret``, the file ``--kv-tier-secret-file`` names, or ``$SECRET_ENV``."""
+    if args.kv_tier_secret_file is not None:
+        try:
+            return Path(args.kv_tier_secret_file).read_text().strip() or None
+        except OSError as exc:
+            raise SystemExit(f"prefixserve: --kv-tier-secret-file: {exc}") from None
+    return args.kv_tier_secret or os.environ.get(SECRET_ENV) or None
 
 
 def _model(args: argparse.Namespace) -> str | None:

@@ -37,7 +37,9 @@ With ``tiers`` (``prefixserve.kv.tiers.KVTierManager``), full blocks continue be
                                           disk and shared tiers; evicted ones go to the host tier
 
 A loaded block is registered only after its K/V was copied into it, outside any step's
-journal: a failed step cannot unregister it, and a failed load registers nothing.
+journal: a failed step cannot unregister it, and a failed load registers nothing. A copy-in that
+raises (what the tiers' checks let through, a device error) frees its blocks unregistered and is
+a miss: nothing a tier returns raises out of ``schedule`` (``tier_load_failures``).
 
 With ``retention`` (``prefixserve.kv.retention.RetentionTable``): ``retain`` protects the
 leading blocks of a prefix that the pool holds, within the tenant's share of the budget (soft
@@ -51,6 +53,7 @@ with tiers, once ``KVTierManager.holds`` says no local tier keeps it (``tick`` l
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -65,6 +68,8 @@ if TYPE_CHECKING:
     from prefixserve.kv.kv_events import KVEventRecorder
     from prefixserve.kv.retention import KVRetention, RetentionTable
     from prefixserve.kv.tiers.manager import KVTierManager
+
+logger = logging.getLogger(__name__)
 
 SeqId = Hashable
 RETAINED_SWEEP = 64  # retained blocks out of the pool checked against the tiers per tick
@@ -136,6 +141,7 @@ class KVCacheManager:
         self._finished_loads: set[Hashable] = set()
         self._cancelled_loads: set[Hashable] = set()
         self._loaded_blocks = 0  # blocks loaded from the tiers into the pool (monotonic)
+        self._failed_load_blocks = 0  # loaded blocks whose copy into the pool raised
         self._seqs: dict[SeqId, _SeqState] = {}
         # this step's registrations: the blocks, and each sequence's num_registered before it
         self._step_blocks: list[tuple[KVBlock, BlockHash]] = []
@@ -451,14 +457,26 @@ class KVCacheManager:
         num = min(len(loaded), max(0, self.pool.num_available_blocks - self.watermark_blocks))
         loaded = [(key, kv) for key, kv in loaded[:num]
                   if self.pool.get_cached_block(key.block_hash, key.token_ids) is None]  # fmt: skip
-        if loaded:
-            blocks = self.pool.allocate(len(loaded))
+        try:
+            if loaded:
+                self._register_loaded(loaded)
+        finally:
+            self.pool.free(reversed(chain))
+
+    def _register_loaded(self, loaded: list) -> None:
+        blocks = self.pool.allocate(len(loaded))
+        try:
             self.tiers.write_blocks([b.block_id for b in blocks], [kv for _, kv in loaded])
-            for block, (key, _) in zip(blocks, loaded):
-                self.pool.cache_block(block, key.block_hash, key.token_ids, key.parent_hash)
-            self.pool.free(reversed(blocks))
-            self._loaded_blocks += len(blocks)
-        self.pool.free(reversed(chain))
+        except Exception:
+            logger.exception("KV tiers: %d loaded blocks could not be copied in; a miss",
+                             len(blocks))  # fmt: skip
+            self._failed_load_blocks += len(blocks)
+            self.pool.free(blocks)
+            return
+        for block, (key, _) in zip(blocks, loaded):
+            self.pool.cache_block(block, key.block_hash, key.token_ids, key.parent_hash)
+        self.pool.free(reversed(blocks))
+        self._loaded_blocks += len(blocks)
 
     def _pool_chain(self, block_hash: BlockHash | None) -> list[KVBlock]:
         """The pool's blocks of the chain ending at ``block_hash``, head first, back to the
@@ -503,7 +521,7 @@ class KVCacheManager:
         self.pool.retain(granted)
         if retention.write_through and self.tiers is not None:
             in_pool = [b for h in granted if (b := self.pool.hashed_block(h)) is not None]
-            self.tiers.on_committed(in_pool, required=True)
+            self.tiers.on_committed(in_pool)
         return len(granted)
 
     def release(self, session: str) -> int:
@@ -555,6 +573,7 @@ class KVCacheManager:
             "tail_blocks": self.pool.num_tail_blocks,
             "retained_cached_blocks": self.pool.num_retained_blocks,
             "tier_loaded_blocks": self._loaded_blocks,
+            "tier_load_failures": self._failed_load_blocks,
             **(self.retention.stats() if self.retention is not None else {}),
         }
 

@@ -39,8 +39,8 @@ session's next request, times ``TTL_MARGIN``, within [``default_ttl_s``, ``max_t
 default until ``MIN_GAP_SAMPLES`` gaps were seen, or when learning is off. A pause is
 remembered at most ``max_ttl_s`` (bounded: a session that never returns is forgotten).
 
-Threads: the engine thread changes the table; ``is_retained`` (a dict lookup) is also read by
-the tiers' worker.
+Threads: the engine thread changes the table; ``is_retained`` and ``tenant_of`` (dict lookups)
+are also read by the tiers' worker.
 """
 
 from __future__ import annotations
@@ -139,6 +139,7 @@ class RetentionTable:
         self._clock = clock
         self._sessions: dict[SessionKey, _Session] = {}
         self._holders: dict[BlockHash, set[SessionKey]] = {}  # the sessions holding each hash
+        self._owner: dict[BlockHash, str] = {}  # a tenant holding each hash (the tiers' quota)
         self._refs: Counter[tuple[str, BlockHash]] = Counter()  # a tenant's sessions per hash
         self._usage: Counter[str] = Counter()  # distinct hashes each tenant holds
         self._used = 0  # sum of _usage
@@ -160,6 +161,10 @@ class RetentionTable:
 
     def is_retained(self, block_hash: BlockHash) -> bool:
         return block_hash in self._holders
+
+    def tenant_of(self, block_hash: BlockHash) -> str | None:
+        """A tenant retaining ``block_hash`` (the first of several), None if none does."""
+        return self._owner.get(block_hash)
 
     def usage(self, tenant: str) -> int:
         """The distinct hashes ``tenant``'s sessions hold (its share of the budget in use)."""
@@ -307,6 +312,7 @@ class RetentionTable:
         self._holders.setdefault(h, set()).add(s.key)
         ref = (s.tenant, h)
         self._refs[ref] += 1
+        self._owner.setdefault(h, s.tenant)
         if self._refs[ref] == 1:
             self._usage[s.tenant] += 1
             self._used += 1
@@ -315,10 +321,13 @@ class RetentionTable:
         del s.hashes[h]
         holders = self._holders[h]
         holders.discard(s.key)
-        if not holders:
-            del self._holders[h]
         ref = (s.tenant, h)
         self._refs[ref] -= 1
+        if not holders:
+            del self._holders[h]
+            del self._owner[h]
+        elif self._refs[ref] == 0 and self._owner[h] == s.tenant:
+            self._owner[h] = next(iter(holders))[0]
         if self._refs[ref] == 0:
             del self._refs[ref]
             self._usage[s.tenant] -= 1

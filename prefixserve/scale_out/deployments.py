@@ -35,6 +35,7 @@ from prefixserve.api.metrics import ServerMetrics
 from prefixserve.api.server import ServerConfig, build_app
 from prefixserve.core.errors import InvalidArgumentError, PrefixServeError, require
 from prefixserve.engine.preprocessor import StepLimits
+from prefixserve.kv.tiers.secret import new_secret
 from prefixserve.scale_out.cluster import ClusterView, cluster_router
 from prefixserve.scale_out.protocol import ACCEPTED, EngineRequest, KVEventsEndpoint, ReplicaReport
 from prefixserve.scale_out.ray_private import request_router_of
@@ -208,6 +209,9 @@ def build_application(
             "and advertises the port to the router; drop --kv-events-endpoint",
             "kv_events_endpoint",
         )
+    if engine_kwargs.get("kv_shared_url") and not engine_kwargs.get("kv_tier_secret"):
+        # the replicas read each other's blocks only under one secret (kv/tiers/secret.py)
+        engine_kwargs = {**engine_kwargs, "kv_tier_secret": new_secret()}
     grace = server_config.shutdown_grace_seconds + 5.0
     replica = serve.deployment(EngineReplica, name=ENGINE_DEPLOYMENT).options(
         num_replicas=scale.replicas,

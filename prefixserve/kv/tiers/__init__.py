@@ -2,8 +2,9 @@
 
 Every tier keys a block by its chained hash (cache salt included) plus its token ids and stores
 its K/V for all layers as one payload. ``manager.KVTierManager`` runs them off the step path;
-``KVCacheManager`` asks it for loads and hands it evictions and new blocks. docs/kv-tiers.md
-describes the flags, the formats and the guarantees.
+``KVCacheManager`` asks it for loads and hands it evictions and new blocks. What the disk and
+shared tiers return is untrusted (authenticated and checked: ``payload.py``, ``secret.py``).
+docs/kv-tiers.md describes the flags, the formats and the guarantees.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from prefixserve.kv.tiers.block_io import kv_fingerprint
 from prefixserve.kv.tiers.disk import DiskTier
 from prefixserve.kv.tiers.host import HostTier
 from prefixserve.kv.tiers.manager import KVTierManager
+from prefixserve.kv.tiers.payload import BlobFormat
+from prefixserve.kv.tiers.secret import mac_key, tier_secret
 from prefixserve.kv.tiers.shared import SharedTier
 
 __all__ = ["DiskTier", "HostTier", "KVTier", "KVTierManager", "SharedTier", "build_kv_tiers"]
@@ -33,16 +36,23 @@ def build_kv_tiers(
     """The tiers ``config`` asks for, top first, attached to ``kv_caches``; None without any."""
     if not config.has_kv_tiers or not config.enable_prefix_caching:
         return None
-    fingerprint = kv_fingerprint(model, kv_caches, config.block_size)
-    is_retained = retention.is_retained if retention is not None else None
+    retained_by = retention.tenant_of if retention is not None else None
+    share = config.kv_tier_tenant_share
     tiers: list[KVTier] = []
     if config.kv_offloading_size:
-        tiers.append(HostTier(int(config.kv_offloading_size * GIB), is_retained))
-    if config.kv_cache_dir:
-        size = int(config.kv_cache_dir_size * GIB)
-        tiers.append(DiskTier(config.kv_cache_dir, size, fingerprint, is_retained))
-    if config.kv_shared_url:
-        tiers.append(SharedTier(config.kv_shared_url, fingerprint))
+        tiers.append(HostTier(int(config.kv_offloading_size * GIB), retained_by, share))
+    if config.kv_cache_dir or config.kv_shared_url:
+        blob_format = BlobFormat(
+            kv_fingerprint(model, kv_caches, config.block_size),
+            mac_key(tier_secret(config)),
+            tuple(kv_caches[:, :, 0].shape),
+            kv_caches.dtype,
+        )
+        if config.kv_cache_dir:
+            size = int(config.kv_cache_dir_size * GIB)
+            tiers.append(DiskTier(config.kv_cache_dir, size, blob_format, retained_by, share))
+        if config.kv_shared_url:
+            tiers.append(SharedTier(config.kv_shared_url, blob_format))
     manager = KVTierManager(
         tiers, config.block_size, kv_caches.dtype, offloading_dtype=config.kv_offloading_dtype
     )

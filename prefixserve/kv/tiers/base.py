@@ -9,10 +9,11 @@ with its own lock.
 Invariants every tier keeps:
 
 - ``get(key)`` returns a payload only if it was ``put`` under exactly that hash *and* those
-  token ids and passed every check of the tier (a disk file's header and checksum, ...);
-  anything else is a miss, and a stored entry that fails a check is deleted.
+  token ids and passed every check of the tier (a blob's header, MAC, dtypes and shapes,
+  ``payload.py``); anything else is a miss, and a stored entry that fails a check is deleted.
 - ``put`` never holds more than the tier's capacity: it evicts least recently used entries
-  first (retained ones last) and returns them, so the caller can demote them a tier down.
+  first (retained ones within their tenant's quota last, ``lru_index.py``) and returns them, so
+  the caller can demote them a tier down.
 - A tier that cannot do its job (a full disk, a server gone) raises ``TierUnavailableError``
   from ``put``/``get``; the caller counts it and goes on without the tier.
 """
@@ -33,7 +34,7 @@ MEDIUM_DISK = "DISK"
 MEDIUM_SHARED = "SHARED"
 
 Payload = dict[str, torch.Tensor]
-IsRetained = Callable[[int], bool]
+RetainedBy = Callable[[int], "str | None"]  # block hash -> the tenant retaining it
 
 
 class TierUnavailableError(Exception):

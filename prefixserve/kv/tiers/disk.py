@@ -1,7 +1,8 @@
 """The disk tier (``--kv-cache-dir PATH``, ``--kv-cache-dir-size GiB``): one file per block.
 
 Layout: ``PATH/<fingerprint>/<block hash, 32 hex digits>.kvb``, each file a ``payload.py`` blob
-(safetensors with the format version, fingerprint, parent hash, token ids and a checksum). The
+(safetensors with the format version, fingerprint, parent hash, token ids and a MAC under the
+tier secret, which ``secret.py`` keeps in ``PATH/tier-secret`` unless one is given). The
 fingerprint folder keeps models, dtypes and KV layouts apart; the header repeats it, so a file
 copied into the wrong folder still fails its check.
 
@@ -9,9 +10,10 @@ Writes go to a ``.tmp`` file in the same folder and are renamed into place, so a
 restart) never sees half a file under a block's name. At start-up the index is rebuilt from the
 folder: leftover ``.tmp`` files are removed, and every file whose header does not parse, names
 another format or fingerprint, or does not match its own file name is deleted. A file is loaded
-only after its checksum and key are checked (``decode_block``); one that fails is deleted and is
-a miss. Least recently used files (by modification time, refreshed on every hit) go first when
-the folder passes its size; retained blocks last. Evicted files are deleted, not demoted: the
+only after its key, MAC, dtypes and shapes are checked (``BlobFormat.decode``); one that fails
+is deleted and is a miss. Least recently used files (by modification time, refreshed on every
+hit) go first when the folder passes its size; retained blocks within their tenant's quota
+last (``lru_index.py``). Evicted files are deleted, not demoted: the
 shared tier below, if any, already holds every computed block (write-through).
 """
 
@@ -23,16 +25,9 @@ import os
 import threading
 from pathlib import Path
 
-from prefixserve.kv.tiers.base import MEDIUM_DISK, IsRetained, KVTier, Payload, TierUnavailableError
+from prefixserve.kv.tiers.base import MEDIUM_DISK, KVTier, Payload, RetainedBy, TierUnavailableError
 from prefixserve.kv.tiers.lru_index import LRUIndex
-from prefixserve.kv.tiers.payload import (
-    BlockKey,
-    CorruptBlockError,
-    decode_block,
-    encode_block,
-    header_key,
-    read_header,
-)
+from prefixserve.kv.tiers.payload import BlobFormat, BlockKey, CorruptBlockError, read_header
 
 logger = logging.getLogger(__name__)
 
@@ -48,15 +43,16 @@ class DiskTier(KVTier):
         self,
         root: str | Path,
         capacity_bytes: int,
-        fingerprint: str,
-        is_retained: IsRetained | None = None,
+        blob_format: BlobFormat,
+        retained_by: RetainedBy | None = None,
+        tenant_share: float = 1.0,
     ) -> None:
         super().__init__()
-        self.fingerprint = fingerprint
-        self.dir = Path(root) / fingerprint
+        self.format = blob_format
+        self.dir = Path(root) / blob_format.fingerprint
         self.dir.mkdir(parents=True, exist_ok=True)
         self.counters.capacity_bytes = capacity_bytes
-        self._index: LRUIndex[None] = LRUIndex(self.counters, is_retained)
+        self._index: LRUIndex[None] = LRUIndex(self.counters, retained_by, tenant_share)
         self.removed_at_start = 0  # temp files and files that failed a check
         self._rebuild_index()
 
@@ -85,7 +81,7 @@ class DiskTier(KVTier):
     def _check_header(self, path: Path) -> BlockKey | None:
         try:
             with path.open("rb") as f:
-                key = header_key(read_header(f.read(_HEADER_READ)), self.fingerprint)
+                key = self.format.header_key(read_header(f.read(_HEADER_READ)))
         except (CorruptBlockError, OSError):
             return None
         return key if path.name == key.hex + SUFFIX else None
@@ -109,7 +105,7 @@ class DiskTier(KVTier):
         path = self._path(key)
         try:
             data = path.read_bytes()
-            payload = decode_block(data, key, self.fingerprint)
+            payload = self.format.decode(data, key)
         except (CorruptBlockError, OSError) as exc:
             logger.warning("KV disk tier: %s failed its check (%s); deleted", path.name, exc)
             self.counters.corrupt += 1
@@ -122,7 +118,7 @@ class DiskTier(KVTier):
         return payload
 
     def put(self, key: BlockKey, payload: Payload) -> list[tuple[BlockKey, Payload | None]]:
-        data = encode_block(key, payload, self.fingerprint)
+        data = self.format.encode(key, payload)
         c = self.counters
         if len(data) > c.capacity_bytes:
             return []

@@ -4,24 +4,30 @@ An LRU of payloads capped in bytes (``LRUIndex``). On a GPU the payloads are hos
 evicted blocks; on a CPU, where host memory and the pool are the same memory, the tier pays off
 by holding more blocks than the pool has room for, and more again compressed
 (``kv_offloading_dtype`` int8/fp8, ``codec.py``). Eviction takes the least recently used entry
-that is not retained, then retained ones; the evicted payloads are returned for demotion.
+that is not retained (within its tenant's quota), then retained ones (``lru_index.py``); the
+evicted payloads are returned for demotion.
 """
 
 from __future__ import annotations
 
 from prefixserve.kv.hashing import BlockKey
 from prefixserve.kv.tiers import codec
-from prefixserve.kv.tiers.base import MEDIUM_CPU, IsRetained, KVTier, Payload
+from prefixserve.kv.tiers.base import MEDIUM_CPU, KVTier, Payload, RetainedBy
 from prefixserve.kv.tiers.lru_index import LRUIndex
 
 
 class HostTier(KVTier):
     medium = MEDIUM_CPU
 
-    def __init__(self, capacity_bytes: int, is_retained: IsRetained | None = None) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        retained_by: RetainedBy | None = None,
+        tenant_share: float = 1.0,
+    ) -> None:
         super().__init__()
         self.counters.capacity_bytes = capacity_bytes
-        self._index: LRUIndex[Payload] = LRUIndex(self.counters, is_retained)
+        self._index: LRUIndex[Payload] = LRUIndex(self.counters, retained_by, tenant_share)
 
     def contains(self, key: BlockKey) -> bool:
         with self._lock:

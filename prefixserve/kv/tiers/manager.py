@@ -19,8 +19,9 @@ Which tier gets what: blocks a step computed are written through to the disk and
 (so a restart or another replica finds them); a block the pool evicts goes to the host tier
 (or, without one, to the first tier that lacks it); what the host tier evicts goes down to the
 disk tier if that lacks it. A block whose store is still queued is loaded from the queue.
-Stores are best effort: past ``max_pending_store_bytes`` of queued
-payloads new ones are dropped (counted), except write-throughs a retention asked for.
+A tier that already holds a block, or has it queued, is not written again (the shared tier
+remembers what this process wrote, ``shared.py``). Stores are best effort: past ``max_pending_store_bytes`` of queued
+payloads new ones are dropped (counted in ``stores_dropped``), a retention's write-through too.
 
 Invariants: a block is copied out while its K/V is still the one its key names (evictions are
 flushed before the next forward or copy-in can overwrite the block; a committed block is copied
@@ -28,6 +29,8 @@ only if it still carries its hash); a load hands back only payloads a tier retur
 that key (a miss, a failed check or an unavailable tier ends the load there); the caller
 registers a loaded block only after ``write_blocks`` copied it into the pool. The engine thread
 never waits on the worker except in ``wait_for_loads``, which it calls only when no step can run.
+Nothing here raises on the engine thread for a tier's sake: a copy-out that fails drops its
+stores (logged), and whatever the disk or shared tier returns passed ``payload.py``'s checks.
 """
 
 from __future__ import annotations
@@ -61,7 +64,6 @@ class _Store:
     block: torch.Tensor
     tiers: tuple[int, ...]  # indexes into KVTierManager.tiers
     nbytes: int
-    required: bool  # a retention's write-through: never dropped for backlog
 
 
 @dataclass(slots=True)
@@ -94,7 +96,7 @@ class KVTierManager:
         self._write_through = [i for i, t in enumerate(self.tiers) if t.medium != "CPU_TIER"]
         # engine thread only
         self._evicted: dict[int, tuple[int, BlockKey]] = {}  # hash -> (block id, key)
-        self._committed: list[tuple[KVBlock, BlockKey, bool]] = []
+        self._committed: list[tuple[KVBlock, BlockKey]] = []
         self._in_flight: set[object] = set()
         # shared with the worker, under _cond
         self._cond = threading.Condition()
@@ -128,15 +130,15 @@ class KVTierManager:
         key = BlockKey(block.block_hash, block.token_ids, block.parent_hash)
         self._evicted[block.block_hash] = (block.block_id, key)
 
-    def on_committed(self, blocks: Sequence[KVBlock], required: bool = False) -> None:
-        """A step's forward wrote these newly registered blocks (or a retention asks for them,
-        ``required``): write them through to the disk and shared tiers."""
+    def on_committed(self, blocks: Sequence[KVBlock]) -> None:
+        """A step's forward wrote these newly registered blocks (or a retention asks for them):
+        write them through to the disk and shared tiers that lack them."""
         if not self._write_through:
             return
         for block in blocks:
             if block.block_hash is not None and block.token_ids is not None:
                 key = BlockKey(block.block_hash, block.token_ids, block.parent_hash)
-                self._committed.append((block, key, required))
+                self._committed.append((block, key))
 
     def flush(self) -> None:
         """Copy out every pending block in one indexed copy and queue its stores. Called before
@@ -145,13 +147,15 @@ class KVTierManager:
             self._evicted.clear()
             self._committed.clear()
             return
-        plans: dict[int, tuple[int, BlockKey, set[int], bool]] = {}
+        plans: dict[int, tuple[int, BlockKey, set[int]]] = {}
         for block_hash, (block_id, key) in self._evicted.items():
             targets = self._eviction_targets(key)
             if targets:
-                plans[block_hash] = (block_id, key, targets, False)
-        for block, key, required in self._committed:
-            targets = {i for i in self._write_through if not self.tiers[i].contains(key)}
+                plans[block_hash] = (block_id, key, targets)
+        for block, key in self._committed:
+            queued = self._queued_store(key)
+            targets = {i for i in self._write_through if not self.tiers[i].contains(key)
+                       and (queued is None or i not in queued.tiers)}  # fmt: skip
             if block.block_hash == key.block_hash:  # still the block it was
                 block_id = block.block_id
             elif key.block_hash in self._evicted:  # evicted since: its copy-out is pending
@@ -161,23 +165,27 @@ class KVTierManager:
             old = plans.get(key.block_hash)
             if old is not None:
                 targets |= old[2]
-                required |= old[3]
             if targets:
-                plans[key.block_hash] = (block_id, key, targets, required)
+                plans[key.block_hash] = (block_id, key, targets)
         self._evicted.clear()
         self._committed.clear()
         if not plans:
             return
         items = list(plans.values())
-        blocks = copy_out(self.kv_caches, [block_id for block_id, _, _, _ in items])
+        try:
+            blocks = copy_out(self.kv_caches, [block_id for block_id, _, _ in items])
+        except Exception:  # a device error: the tiers miss these blocks, the step goes on
+            logger.exception("KV tiers: copying %d blocks out failed; not stored", len(items))
+            self.stores_dropped += len(items)
+            return
         with self._cond:
-            for (_, key, targets, required), block in zip(items, blocks):
+            for (_, key, targets), block in zip(items, blocks):
                 nbytes = block.numel() * block.element_size()
-                if not required and self._pending_bytes + nbytes > self.max_pending_store_bytes:
+                if self._pending_bytes + nbytes > self.max_pending_store_bytes:
                     self.stores_dropped += 1
                     continue
                 self._pending_bytes += nbytes
-                store = _Store(key, block, tuple(sorted(targets)), nbytes, required)
+                store = _Store(key, block, tuple(sorted(targets)), nbytes)
                 self._stores.append(store)
                 self._queued[key.block_hash] = store
             self._cond.notify()
