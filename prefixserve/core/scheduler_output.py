@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from prefixserve.core.sequence import Request, Sequence
+from prefixserve.kv.segments import SegmentCopy
 
 
 @dataclass(slots=True)
@@ -43,13 +44,15 @@ class ScheduledSeq:
 @dataclass(slots=True)
 class SchedulerOutput:
     """One step: the scheduled sequences, each one's block table (keyed by ``seq_id``, covering
-    every token it runs) and the copy-on-write ``(src, dst)`` block copies to perform first.
-    ``finished``: waiting requests that ended before running (their grammar failed to compile,
-    or the text it forces already ends the output); they get their final output this step."""
+    every token it runs), the copy-on-write ``(src, dst)`` block copies to perform first, then
+    the segment copies. ``finished``: waiting requests that ended before running (their grammar
+    failed to compile, or the text it forces already ends the output); they get their final
+    output this step."""
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     block_tables: dict[int, list[int]] = field(default_factory=dict)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    segment_copies: list[SegmentCopy] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)
 
     @property

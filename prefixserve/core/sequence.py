@@ -63,6 +63,9 @@ class Sequence:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # prompt ranges [start, end) whose K/V a segment copy wrote at admission (ahead of
+    # ``num_computed_tokens``): the scheduler steps over each one instead of computing it
+    reuse_spans: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -83,6 +86,17 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_runnable_tokens(self) -> int:
+        """Tokens from ``num_computed_tokens`` up to the next reused span (or the end)."""
+        end = self.reuse_spans[0][0] if self.reuse_spans else len(self.token_ids)
+        return end - self.num_computed_tokens
+
+    def skip_reused(self) -> None:
+        """Step over a reused span that starts where the computed tokens end."""
+        while self.reuse_spans and self.reuse_spans[0][0] == self.num_computed_tokens:
+            self.num_computed_tokens = self.reuse_spans.pop(0)[1]
 
     def fork(self, seq_id: int, index: int) -> Sequence:
         """An independent copy at the same state (tokens, progress, hashes, text, logprobs)."""
@@ -119,7 +133,8 @@ class Request:
     structured_output: StructuredOutputRequest | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
-    num_cached_tokens: int | None = None  # prompt tokens hit in the prefix cache at first admission
+    num_cached_tokens: int | None = None  # prompt tokens not computed at first admission
+    num_reused_segment_tokens: int = 0  # of those, the ones copied from reused segments
     error: str | None = None  # set when the engine failed this request alone
     # prompt_logprobs: per prompt position so far, None for the first (nothing predicts it)
     prompt_logprobs: list[dict[int, float] | None] | None = None

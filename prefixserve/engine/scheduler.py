@@ -9,7 +9,11 @@ request starts from its longest cached prefix, so only the rest is computed.
 With tiers under the pool (``prefixserve.kv.tiers``), a request whose prefix continues in a
 tier waits while its blocks load on the tier worker (started when it is queued); it keeps its
 place in line, requests behind it pass, and it is admitted once the load was applied (a failed
-load is a miss: those tokens are computed). Retention a request carries
+load is a miss: those tokens are computed). With segment reuse (``segment_reuse``), a request's
+prompt past its prefix hit may continue with segments computed in other prompts: their K/V is
+copied at admission (``SchedulerOutput.segment_copies``, all spans at once), a share of each
+is recomputed, and its sequence steps over each reused span (``Sequence.reuse_spans``), one
+chunk between two spans per step. Retention a request carries
 (``SamplingParams.kv_retention``) is applied to its prompt once the prompt is computed (so its
 first output reports what was granted, ``RequestOutput.kv_retained_tokens``), and to its output
 (``include_output``) when it is retired.
@@ -46,6 +50,7 @@ from prefixserve.engine.request_lifecycle import RequestLifecycle
 from prefixserve.engine.stop_checker import StopChecker
 from prefixserve.kv.kv_cache_manager import KVCacheManager, PrefixHit
 from prefixserve.kv.retention import KVRetention
+from prefixserve.kv.segments import SegmentPlan
 from prefixserve.sample.sampling_step import SamplingResult
 from prefixserve.spec_decode.proposer import DraftProposer
 
@@ -206,7 +211,8 @@ class Scheduler:
         """Per live sequence: how many of its tokens run, and the drafts scored after them."""
         plan: list[_Plan] = []
         for seq in request.live_seqs():
-            n = min(seq.num_uncomputed_tokens, budget)
+            seq.skip_reused()
+            n = min(seq.num_runnable_tokens, budget)
             drafts = self.proposer.propose(request, seq, n, budget - n) if speculate else []
             plan.append((seq, n, drafts))
             budget -= n + len(drafts)
@@ -255,7 +261,7 @@ class Scheduler:
             group = request.live_seqs()
             if num_seqs + max(len(group), request.num_samples) > self.config.max_num_seqs:
                 break
-            admitted = self._admit(request, budget, out.block_copies)
+            admitted = self._admit(request, budget, out)
             if admitted is None:
                 break
             self.waiting.popleft()
@@ -307,46 +313,76 @@ class Scheduler:
         return True
 
     def _admit(
-        self, request: Request, budget: int, copies: list[tuple[int, int]]
+        self, request: Request, budget: int, out: SchedulerOutput
     ) -> list[ScheduledSeq] | None:
         """Give every sequence of a waiting request its cached prefix and first chunk, or nothing.
 
-        A prefix ending in a partial tail adds that tail's copy to ``copies`` (only once the whole
-        request is admitted: a rolled-back admission copies nothing). A preempted beam group is
-        recomputed up to, not including, each beam's last token; the running path then runs the
-        last tokens of all beams in one step (beams move in lockstep).
+        A prefix ending in a partial tail adds that tail's copy to ``out.block_copies``, reused
+        segments their copies to ``out.segment_copies`` (only once the whole request is
+        admitted: a rolled-back admission copies nothing). A preempted beam group is recomputed
+        up to, not including, each beam's last token; the running path then runs the last
+        tokens of all beams in one step (beams move in lockstep).
         """
         admitted: list[ScheduledSeq] = []
         hits: list[int] = []
         tail_copies: list[tuple[int, int]] = []
+        segment_copies: list = []
         lockstep = request.is_beam_search and len(request.live_seqs()) > 1
+        reused = 0
         for seq in request.live_seqs():
             hit = self._lookup(request, seq)
-            remaining = seq.num_tokens - hit.num_tokens
-            n = min(remaining - 1 if lockstep else remaining, budget)
+            plan = self._segment_plan(request, seq, hit.num_tokens)
+            spans = [(span.start, span.end) for span in plan.spans] if plan is not None else []
+            seq.num_computed_tokens, seq.reuse_spans = hit.num_tokens, spans
+            seq.skip_reused()
+            start = seq.num_computed_tokens
+            remaining = seq.num_tokens - start
+            n = min(remaining - 1 if lockstep else seq.num_runnable_tokens, budget)
             chunked_out = n < remaining and not self.config.enable_chunked_prefill and not lockstep
-            if (n <= 0 and not lockstep) or chunked_out:
-                self._roll_back(admitted)
+            fits = (n > 0 or lockstep) and not chunked_out
+            if not fits or not self.kv.allocate_for_prompt(
+                seq.seq_id, hit, start + n - hit.num_tokens, tail_copies, plan, segment_copies
+            ):
+                seq.reuse_spans = []
+                self._roll_back([*admitted, ScheduledSeq(request, seq, 0)])
                 return None
-            if not self.kv.allocate_for_prompt(seq.seq_id, hit, n, tail_copies):
-                self._roll_back(admitted)
-                return None
-            seq.num_computed_tokens = hit.num_tokens
             admitted.append(ScheduledSeq(request, seq, n))
-            hits.append(hit.num_tokens)
+            reused = plan.num_reused_tokens if plan is not None else 0
+            hits.append(hit.num_tokens + reused)
+            if plan is not None:
+                exact_end = spans[0][0] if spans else seq.num_prompt_tokens
+                self.kv.record_segments(seq.token_ids, seq.block_hashes, exact_end,
+                                        request.extra_keys)  # fmt: skip
             budget -= n
-        copies.extend(tail_copies)
+        out.block_copies.extend(tail_copies)
+        out.segment_copies.extend(segment_copies)
         for sched in admitted:  # only now: a rolled-back admission must register nothing
             self._cache_blocks(sched.seq, sched.seq.num_computed_tokens + sched.num_new_tokens)
         if request.num_cached_tokens is None:  # prompt tokens only: not jump-forward text
             request.num_cached_tokens = min(hits[0], len(request.prompt_token_ids))
+            request.num_reused_segment_tokens = reused
             self._first_admitted.append(request)
         return [s for s in admitted if s.num_new_tokens > 0]
+
+    def _segment_plan(self, request: Request, seq: Sequence, start: int) -> SegmentPlan | None:
+        """The reused segments of ``seq``'s prompt after ``start`` (its prefix hit), for a
+        request that reads the prefix cache with segment reuse on and not opted out (one
+        sequence, no beams, chunked prefill on); None otherwise."""
+        config = self.config
+        use = (config.segment_reuse and self.enable_caching and config.enable_chunked_prefill
+               and getattr(request.params, "segment_reuse", None) is not False
+               and not request.is_beam_search and request.num_prompt_logprobs is None
+               and len(request.live_seqs()) == 1)  # fmt: skip
+        if not use:
+            return None
+        return self.kv.find_segments(seq.token_ids, start, seq.num_prompt_tokens - 1,
+                                     request.extra_keys, config.segment_recompute_ratio)  # fmt: skip
 
     def _roll_back(self, admitted: list[ScheduledSeq]) -> None:
         for sched in admitted:
             self.kv.free(sched.seq.seq_id)
             sched.seq.num_computed_tokens = 0
+            sched.seq.reuse_spans = []
 
     def _lookup(self, request: Request, seq: Sequence) -> PrefixHit:
         """The cached prefix ``seq`` may start from; none for a request that scores its prompt
@@ -381,6 +417,7 @@ class Scheduler:
         for seq in request.seqs:
             self.kv.free(seq.seq_id)
             seq.num_computed_tokens = 0
+            seq.reuse_spans = []  # planned again at readmission
         request.status = RequestStatus.WAITING
         request.kv_load = None  # its next admission may load from the tiers again
         self.waiting.appendleft(request)

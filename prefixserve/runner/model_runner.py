@@ -1,6 +1,7 @@
 """Turns a ``SchedulerOutput`` into one forward pass over the flattened batch and returns logits.
 
-Per step: perform the copy-on-write block copies, lay the batch out (decodes first; sequences
+Per step: perform the copy-on-write block copies and the segment copies (reused K/V moved to its
+new positions, ``segment_copy``), lay the batch out (decodes first; sequences
 that share leading blocks next to each other, so each prefix group's tokens are one slice), build
 ``input_ids`` and the ``AttentionMetadata``, run the model once (a decode step replays a capture
 made at start-up, ``prefixserve.runner.decode_replay``: a CUDA graph, or a compiled step on CPU), and
@@ -26,6 +27,7 @@ from prefixserve.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from prefixserve.models.linear import PACKED_KERNELS, LinearKernel
 from prefixserve.models.loader import load_model
 from prefixserve.runner.decode_replay import create_decode_replay
+from prefixserve.runner.segment_copy import copy_segments
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +135,9 @@ class ModelRunner:
                 torch.tensor(src, dtype=torch.int64, device=self.device),
                 torch.tensor(dst, dtype=torch.int64, device=self.device),
             )
+        if out.segment_copies:
+            rope = self.model.model.rotary_emb
+            copy_segments(self.kv_caches, out.segment_copies, rope.cos, rope.sin)
         tables = out.block_tables
         batch = sorted(out.scheduled, key=lambda s: (s.num_query_tokens != 1, tables[s.seq.seq_id]))
         spans = [SeqSpan(tables[s.seq.seq_id], s.seq.num_computed_tokens, s.num_query_tokens)
