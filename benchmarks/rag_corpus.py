@@ -2,7 +2,7 @@
 questions whose answer is one fact of one document.
 
 Every document is a short report on an invented thing (a bridge, a ship, an expedition, a
-company, ...): its name, where, when, who, and several numbers, in about 200 words, with filler
+company, ...): its name, where, when, who, and several numbers, in about 230 words, with filler
 sentences that give the model something to read past. A question asks for one fact (a year, a
 name, a number, a place) and is answered right when the reply contains it. Everything is drawn
 from one seeded ``random.Random``: the same seed gives the same corpus on any machine.
@@ -18,12 +18,12 @@ SYLLABLES = ("ka", "lo", "mir", "ven", "dra", "sel", "tor", "bri", "nua", "gal",
 FIRST_NAMES = ("Hanna", "Ilse", "Tomas", "Birgit", "Oren", "Mireille", "Kasimir", "Edda",
                "Lucan", "Petra", "Anselm", "Greta", "Ruben", "Yara", "Dorian", "Selma")  # fmt: skip
 KINDS = (
-    ("bridge", "The {name} Bridge", "was completed", "engineer", "meters long"),
-    ("ship", "The research ship {name}", "was launched", "captain", "meters long"),
-    ("expedition", "The {name} expedition", "set out", "leader", "kilometers long"),
-    ("company", "The {name} Trading Company", "was founded", "founder", "employees strong"),
-    ("observatory", "The {name} Observatory", "opened", "director", "meters high"),
-    ("canal", "The {name} Canal", "was opened", "surveyor", "kilometers long"),
+    ("The {name} Bridge", "was completed", "engineer", "meters long"),
+    ("The research ship {name}", "was launched", "captain", "meters long"),
+    ("The {name} expedition", "set out", "leader", "kilometers long"),
+    ("The {name} Trading Company", "was founded", "founder", "employees strong"),
+    ("The {name} Observatory", "opened", "director", "meters high"),
+    ("The {name} Canal", "was opened", "surveyor", "kilometers long"),
 )
 FILLER = (
     "Local records describe the work as slow and often interrupted by weather.",
@@ -34,6 +34,14 @@ FILLER = (
     "A museum exhibition in recent years brought renewed attention to it.",
     "Its original drawings were rediscovered during a renovation of the archive.",
     "Historians consider it a typical example of the ambitions of its era.",
+    "Photographs from the opening show a large crowd gathered despite the rain.",
+    "A small booklet about it is still sold in the shop across the square.",
+    "The work employed many people from the surrounding villages for several seasons.",
+    "Some of the tools used at the time are kept in a glass case in the hall.",
+    "School classes from the district visit it every spring as part of their lessons.",
+    "The design was changed twice before the final plans were approved by the council.",
+    "Travel writers of the next decade mentioned it in nearly every guide to the region.",
+    "Its name was chosen after a long public debate in the town hall.",
 )
 
 
@@ -63,7 +71,7 @@ def corpus(num_docs: int, seed: int = 0) -> tuple[list[Document], list[Question]
     docs, questions = [], []
     used: set[str] = set()
     for i in range(num_docs):
-        kind, template, verb, role, unit = KINDS[i % len(KINDS)]
+        template, verb, role, unit = KINDS[i % len(KINDS)]
         name = _name(rng)
         while name in used:
             name = _name(rng)
@@ -77,9 +85,9 @@ def corpus(num_docs: int, seed: int = 0) -> tuple[list[Document], list[Question]
             f"It is {size} {unit}, a figure that was often repeated in later reports.",
             f"The total cost came to {cost} thousand crowns, paid over several years.",
         ]
-        filler = rng.sample(FILLER, 6)
-        sentences = [facts[0], filler[0], facts[1], filler[1], filler[2], facts[2], filler[3],
-                     filler[4], facts[3], filler[5]]  # fmt: skip
+        filler = rng.sample(FILLER, 12)
+        sentences = [facts[0], *filler[0:3], facts[1], *filler[3:6], facts[2], *filler[6:9],
+                     facts[3], *filler[9:12]]  # fmt: skip
         title = f"Report {i + 1}: {subject}"
         docs.append(Document(title, f"{title}. " + " ".join(sentences)))
         questions += [

@@ -18,12 +18,33 @@ class ScheduledSeq:
 
         positions   ... | last | d0 | d1 | d2 |     (num_query_tokens = 4)
         row scores        d0     d1   d2   bonus
+
+    A sequence with reused segments (``Sequence.reuse_spans``) may run its tokens as several
+    ``pieces`` ``(start, n)`` in position order, the reused spans between them stepped over
+    (their K/V was copied at admission); ``num_new_tokens`` is the pieces' total, and the step
+    ends at ``end``::
+
+        positions   | computed | piece | reused span | piece | reused span | piece |
+                    0    num_computed_tokens                                      end
     """
 
     request: Request
     seq: Sequence
     num_new_tokens: int
     draft_token_ids: list[int] = field(default_factory=list)
+    pieces: list[tuple[int, int]] | None = None  # None: one, from seq.num_computed_tokens
+
+    def query_pieces(self) -> list[tuple[int, int]]:
+        """``(start, n)`` of each stretch of tokens this step runs, drafts not included."""
+        if self.pieces is not None:
+            return self.pieces
+        return [(self.seq.num_computed_tokens, self.num_new_tokens)]
+
+    @property
+    def end(self) -> int:
+        """The sequence's computed tokens once this step ran (drafts not included)."""
+        start, n = self.query_pieces()[-1]
+        return start + n
 
     @property
     def num_query_tokens(self) -> int:
@@ -38,7 +59,7 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """Whether this step reaches the sequence's last token, so its next token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.end == self.seq.num_tokens
 
 
 @dataclass(slots=True)

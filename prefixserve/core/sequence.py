@@ -65,6 +65,7 @@ class Sequence:
     stop_reason: str | int | None = None
     # prompt ranges [start, end) whose K/V a segment copy wrote at admission (ahead of
     # ``num_computed_tokens``): the scheduler steps over each one instead of computing it
+    # (``ScheduledSeq.pieces``)
     reuse_spans: list[tuple[int, int]] = field(default_factory=list)
 
     @property
@@ -86,17 +87,6 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
-
-    @property
-    def num_runnable_tokens(self) -> int:
-        """Tokens from ``num_computed_tokens`` up to the next reused span (or the end)."""
-        end = self.reuse_spans[0][0] if self.reuse_spans else len(self.token_ids)
-        return end - self.num_computed_tokens
-
-    def skip_reused(self) -> None:
-        """Step over a reused span that starts where the computed tokens end."""
-        while self.reuse_spans and self.reuse_spans[0][0] == self.num_computed_tokens:
-            self.num_computed_tokens = self.reuse_spans.pop(0)[1]
 
     def fork(self, seq_id: int, index: int) -> Sequence:
         """An independent copy at the same state (tokens, progress, hashes, text, logprobs)."""

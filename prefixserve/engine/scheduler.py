@@ -12,9 +12,9 @@ place in line, requests behind it pass, and it is admitted once the load was app
 load is a miss: those tokens are computed). With segment reuse (``segment_reuse``), a request's
 prompt past its prefix hit may continue with segments computed in other prompts: their K/V is
 copied at admission (``SchedulerOutput.segment_copies``, all spans at once), a share of each
-is recomputed, and its sequence steps over each reused span (``Sequence.reuse_spans``), one
-chunk between two spans per step. Retention a request carries
-(``SamplingParams.kv_retention``) is applied to its prompt once the prompt is computed (so its
+is recomputed, and its sequence runs the stretches between reused spans as the pieces of one
+step (``ScheduledSeq.pieces``), stepping over the spans (``Sequence.reuse_spans``). Retention a
+request carries (``SamplingParams.kv_retention``) is applied to its prompt once the prompt is computed (so its
 first output reports what was granted, ``RequestOutput.kv_retained_tokens``), and to its output
 (``include_output``) when it is retired.
 
@@ -61,8 +61,9 @@ logger = logging.getLogger(__name__)
 AGING_TOKENS_PER_SECOND = 512.0
 PREFIX_POLICY_WINDOW = 64
 
-# one sequence's share of a step: (sequence, its tokens to run, draft tokens scored after them)
-_Plan = tuple[Sequence, int, list[int]]
+# one sequence's share of a step: (sequence, its tokens to run, draft tokens scored after them,
+# the pieces they run as)
+_Plan = tuple[Sequence, int, list[int], list[tuple[int, int]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,9 +197,9 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
-            for seq, n, drafts in plan:
+            for seq, n, drafts, pieces in plan:
                 if n > 0:
-                    out.scheduled.append(ScheduledSeq(request, seq, n, drafts))
+                    out.scheduled.append(ScheduledSeq(request, seq, n, drafts, _given(seq, pieces)))
                     budget -= n + len(drafts)
             i += 1
         if not preempted:
@@ -211,16 +212,38 @@ class Scheduler:
         """Per live sequence: how many of its tokens run, and the drafts scored after them."""
         plan: list[_Plan] = []
         for seq in request.live_seqs():
-            seq.skip_reused()
-            n = min(seq.num_runnable_tokens, budget)
+            pieces = self._pieces(seq, budget)
+            n = sum(k for _, k in pieces)
             drafts = self.proposer.propose(request, seq, n, budget - n) if speculate else []
-            plan.append((seq, n, drafts))
+            plan.append((seq, n, drafts, pieces))
             budget -= n + len(drafts)
         # Beams advance in lockstep: a beam may reach its last token only if all of them do.
         lockstep = request.is_beam_search and len(plan) > 1
-        if lockstep and not all(n == seq.num_uncomputed_tokens for seq, n, _ in plan):
-            plan = [(seq, min(n, seq.num_uncomputed_tokens - 1), []) for seq, n, _ in plan]
+        if lockstep and not all(n == seq.num_uncomputed_tokens for seq, n, _, _ in plan):
+            plan = [(seq, k, [], [(seq.num_computed_tokens, k)])
+                    for seq, n, _, _ in plan
+                    for k in (min(n, seq.num_uncomputed_tokens - 1),)]  # fmt: skip
         return plan
+
+    @staticmethod
+    def _pieces(seq: Sequence, budget: int) -> list[tuple[int, int]]:
+        """The stretches ``(start, n)`` of ``seq`` to run within ``budget`` tokens: from
+        ``num_computed_tokens`` on, each ending where a reused span starts (stepped over and
+        taken off ``reuse_spans``: its K/V was copied at admission)."""
+        pieces: list[tuple[int, int]] = []
+        pos, spans = seq.num_computed_tokens, seq.reuse_spans
+        while budget > 0:
+            while spans and spans[0][0] == pos:
+                pos = spans.pop(0)[1]
+            stop = spans[0][0] if spans else seq.num_tokens
+            n = min(stop - pos, budget)
+            if n <= 0:
+                break
+            pieces.append((pos, n))
+            pos, budget = pos + n, budget - n
+            if pos < stop:
+                break
+        return pieces
 
     def _append_slots(self, plan: list[_Plan], copies: list[tuple[int, int]]) -> bool:
         """Reserve slots for every sequence of a running request's plan; False if one does not fit.
@@ -233,15 +256,18 @@ class Scheduler:
         sequence of the plan fails: the copied-to block is already in the sequence's table, and a
         retry after a preemption finds it exclusively held and asks for no second copy.
         """
-        for seq, n, drafts in plan:
+        for seq, n, drafts, pieces in plan:
             if n == 0:
                 continue
-            got = self.kv.append_slots(seq.seq_id, seq.num_computed_tokens, n + len(drafts))
+            end = pieces[-1][0] + pieces[-1][1]
+            got = self.kv.append_slots(seq.seq_id, seq.num_computed_tokens,
+                                       end - seq.num_computed_tokens + len(drafts))  # fmt: skip
             if got is None:
                 return False
             copies.extend(got)
-        for seq, n, _ in plan:
-            self._cache_blocks(seq, seq.num_computed_tokens + n)
+        for seq, n, _, pieces in plan:
+            if n > 0:
+                self._cache_blocks(seq, pieces[-1][0] + pieces[-1][1])
         return True
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -334,19 +360,22 @@ class Scheduler:
             plan = self._segment_plan(request, seq, hit.num_tokens)
             spans = [(span.start, span.end) for span in plan.spans] if plan is not None else []
             seq.num_computed_tokens, seq.reuse_spans = hit.num_tokens, spans
-            seq.skip_reused()
-            start = seq.num_computed_tokens
-            remaining = seq.num_tokens - start
-            n = min(remaining - 1 if lockstep else seq.num_runnable_tokens, budget)
+            remaining = seq.num_tokens - hit.num_tokens
+            if lockstep:
+                n = min(remaining - 1, budget)
+                pieces = [(hit.num_tokens, n)]
+            else:
+                pieces = self._pieces(seq, budget)
+                n = sum(k for _, k in pieces)
             chunked_out = n < remaining and not self.config.enable_chunked_prefill and not lockstep
             fits = (n > 0 or lockstep) and not chunked_out
+            end = pieces[-1][0] + pieces[-1][1] if pieces else hit.num_tokens
             if not fits or not self.kv.allocate_for_prompt(
-                seq.seq_id, hit, start + n - hit.num_tokens, tail_copies, plan, segment_copies
+                seq.seq_id, hit, end - hit.num_tokens, tail_copies, plan, segment_copies
             ):
-                seq.reuse_spans = []
                 self._roll_back([*admitted, ScheduledSeq(request, seq, 0)])
                 return None
-            admitted.append(ScheduledSeq(request, seq, n))
+            admitted.append(ScheduledSeq(request, seq, n, pieces=_given(seq, pieces)))
             reused = plan.num_reused_tokens if plan is not None else 0
             hits.append(hit.num_tokens + reused)
             if plan is not None:
@@ -357,7 +386,7 @@ class Scheduler:
         out.block_copies.extend(tail_copies)
         out.segment_copies.extend(segment_copies)
         for sched in admitted:  # only now: a rolled-back admission must register nothing
-            self._cache_blocks(sched.seq, sched.seq.num_computed_tokens + sched.num_new_tokens)
+            self._cache_blocks(sched.seq, sched.end)
         if request.num_cached_tokens is None:  # prompt tokens only: not jump-forward text
             request.num_cached_tokens = min(hits[0], len(request.prompt_token_ids))
             request.num_reused_segment_tokens = reused
@@ -528,3 +557,9 @@ class Scheduler:
             num_live_seqs=num_live,
             reserved_max_tokens=reserved,
         )
+
+
+def _given(seq: Sequence, pieces: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
+    """``ScheduledSeq.pieces``: None for one piece from ``num_computed_tokens`` (the usual)."""
+    one = len(pieces) == 1 and pieces[0][0] == seq.num_computed_tokens
+    return None if one or not pieces else pieces
