@@ -276,6 +276,7 @@ def test_counters() -> None:
         "tail_blocks": 0,
         "retained_cached_blocks": 0,
         "tier_loaded_blocks": 0,
+        "tier_load_failures": 0,
     }
     assert make(3).stats()["hit_rate"] == 0.0
 
