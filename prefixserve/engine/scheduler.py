@@ -378,9 +378,10 @@ class Scheduler:
             admitted.append(ScheduledSeq(request, seq, n, pieces=_given(seq, pieces)))
             reused = plan.num_reused_tokens if plan is not None else 0
             hits.append(hit.num_tokens + reused)
-            if plan is not None:
-                exact_end = spans[0][0] if spans else seq.num_prompt_tokens
-                self.kv.record_segments(seq.token_ids, seq.block_hashes, exact_end,
+            if plan is not None:  # its blocks before the first reused one are exact
+                bs = self.block_size
+                exact = spans[0][0] // bs * bs if spans else seq.num_prompt_tokens
+                self.kv.record_segments(seq.token_ids, seq.block_hashes, exact,
                                         request.extra_keys)  # fmt: skip
             budget -= n
         out.block_copies.extend(tail_copies)

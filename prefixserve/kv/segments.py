@@ -142,15 +142,18 @@ class SegmentReuse:
         end: int,
         extra_keys: ExtraKeys,
     ) -> None:
-        """Index the segments of ``token_ids[:end]`` (computed exactly) that lie in full blocks."""
+        """Index the segments of ``token_ids[:end]`` (computed exactly, ``end`` block-aligned: the
+        blocks its K/V is registered in). A segment indexed already keeps its entry (one whose
+        blocks are gone is dropped at its next lookup, and indexed again from here)."""
         bs = self.block_size
         end = min(end, len(block_hashes) * bs)
         for a, b in segment_bounds(token_ids, 0, end, self.breaks, self.min_tokens,
                                    self.max_tokens):  # fmt: skip
-            entry = SegmentEntry(tuple(block_hashes[a // bs : -(-b // bs)]), a, b - a)
             key = self.key(extra_keys, token_ids[a:b])
-            self._index.pop(key, None)
-            self._index[key] = entry
+            if key in self._index:
+                self._index.move_to_end(key)
+                continue
+            self._index[key] = SegmentEntry(tuple(block_hashes[a // bs : -(-b // bs)]), a, b - a)
         while len(self._index) > self.max_entries:
             self._index.popitem(last=False)
 
