@@ -67,7 +67,7 @@ def workload(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
 
 
 def body(turn: dict, max_tokens: int) -> dict:
-    return {"model": "smollm2", "messages": turn["messages"], "max_tokens": max_tokens,
+    return {"messages": turn["messages"], "max_tokens": max_tokens,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
             "logprobs": True, "top_logprobs": TOP}  # fmt: skip
 

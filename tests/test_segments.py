@@ -124,7 +124,7 @@ def test_only_segments_in_full_blocks_are_indexed_and_the_index_is_bounded():
 def test_a_segment_indexed_already_keeps_its_entry():
     """A later prompt holding the same segment does not replace a working entry (its own blocks
     may never be registered: the request may be aborted, or reuse K/V just before them)."""
-    pool, seg, first = setup()
+    pool, seg, _ = setup()
     other = [5, 5, NL] + doc(1) + [3] * 4
     seg.record(other, [7] * (len(other) // BS), len(other), SALT)  # hashes nobody registered
     probe = [6, NL] + doc(1) + [8]
