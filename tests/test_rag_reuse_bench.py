@@ -22,5 +22,5 @@ def test_the_benchmark_runs_and_reports_reuse(tmp_path):
     summary = json.loads((tmp_path / "rag_reuse.json").read_text())["summary"]
     assert set(summary) == {"exact", "segments-0.15"} == set(result["summary"])
     assert summary["exact"]["segment_share_of_doc_tokens"] == 0
-    assert summary["segments-0.15"]["segment_share_of_doc_tokens"] > 0.5
+    assert summary["segments-0.15"]["segment_share_of_doc_tokens"] > 0.2  # some by prefix hits
     assert 0 <= summary["segments-0.15"]["identical_to_exact"] <= 1
