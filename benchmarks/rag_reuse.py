@@ -1,7 +1,8 @@
 """RAG with documents in any order: segment reuse against prefix caching alone and llama.cpp.
 
     python benchmarks/rag_reuse.py [--questions 48] [--docs 16] [--per-question 6]
-        [--ratios 0.15] [--peer] [--threads 2] [--max-tokens 16] [--out-dir benchmarks/results]
+        [--ratios 0 0.15 0.3 0.5] [--peer] [--threads 2] [--max-tokens 32]
+        [--out-dir benchmarks/results]
 
 Workload (``rag_corpus.py``): ``--docs`` fictional documents of about 275 tokens each, every one
 sent once first (a question about it alone, one token generated); then ``--questions``
@@ -162,8 +163,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--questions", type=int, default=48)
     p.add_argument("--docs", type=int, default=16)
     p.add_argument("--per-question", type=int, default=6)
-    p.add_argument("--ratios", type=float, nargs="+", default=[0.15])
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.0, 0.15, 0.3, 0.5])
+    p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peer", action="store_true", help="also llama-server --cache-reuse 32")

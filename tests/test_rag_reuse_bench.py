@@ -17,7 +17,7 @@ import rag_reuse  # noqa: E402
 def test_the_benchmark_runs_and_reports_reuse(tmp_path):
     result = rag_reuse.main([
         "--model", "prefixserve/tiny-random", "--docs", "3", "--per-question", "2",
-        "--questions", "3", "--max-tokens", "2", "--threads", "1", "--out-dir", str(tmp_path),
+        "--questions", "3", "--max-tokens", "2", "--ratios", "0.15", "--threads", "1", "--out-dir", str(tmp_path),
     ])  # fmt: skip
     summary = json.loads((tmp_path / "rag_reuse.json").read_text())["summary"]
     assert set(summary) == {"exact", "segments-0.15"} == set(result["summary"])

@@ -17,7 +17,7 @@ DEFAULT_CPU_KV_CACHE_GB = 1.0
 DEFAULT_KV_CACHE_DIR_GB = 16.0
 _KV_OFFLOADING_DTYPES = ("auto", "int8", "fp8")
 ENFORCE_EAGER_ENV = "PREFIXSERVE_ENFORCE_EAGER"
-DEFAULT_SEGMENT_RECOMPUTE_RATIO = 0.15
+DEFAULT_SEGMENT_RECOMPUTE_RATIO = 0.5  # docs/segment-reuse.md: the measured trade-off
 
 
 def _enforce_eager_default() -> bool:
