@@ -99,6 +99,25 @@ class _EngineCollector(Collector):
         yield from self._structured_outputs()
         yield from self._spec_decode()
         yield from self._kv_tiers()
+        yield from self._segments()
+
+    def _segments(self) -> Iterator[Metric]:
+        """Segment reuse (``--segment-reuse``): none when it is off."""
+        cache, label = self.stats.kv_cache, self.model_name
+        for name, doc, key, kind in (
+            ("prefixserve_segment_lookups", "Prompt segments looked up in the segment index.",
+             "segment_lookups", CounterMetricFamily),
+            ("prefixserve_segment_hits", "Prompt segments found (their K/V reused).",
+             "segment_hits", CounterMetricFamily),
+            ("prefixserve_segment_reused_tokens", "Prompt tokens whose K/V was copied from a "
+             "reused segment instead of computed.", "segment_reused_tokens", CounterMetricFamily),
+            ("prefixserve_segment_entries", "Segments in the segment index now.",
+             "segment_entries", GaugeMetricFamily),
+        ):  # fmt: skip
+            if key in cache:
+                family = kind(name, doc, labels=["model_name"])
+                family.add_metric([label], cache[key])
+                yield family
 
     def _kv_tiers(self) -> Iterator[Metric]:
         """Per tier under the KV pool (label ``medium``: CPU_TIER, DISK, SHARED), retention, and

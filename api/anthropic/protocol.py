@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictBool
 
 from prefixserve.api.frontend.protocol import APIError, Lenient, random_id
 
@@ -57,12 +57,14 @@ class MessagesRequest(CountTokensRequest):
     ignore_eos: bool = False
     min_tokens: int = 0
     cache_salt: str | None = None
+    segment_reuse: StrictBool | None = None  # opt out of --segment-reuse (kv/segments.py)
 
     def sampling_fields(self) -> dict[str, Any]:
         """What the chat request takes over unchanged."""
         return self.model_dump(include={
             "max_tokens", "stream", "temperature", "top_p", "top_k", "seed", "min_p",
-            "repetition_penalty", "ignore_eos", "min_tokens", "cache_salt"})  # fmt: skip
+            "repetition_penalty", "ignore_eos", "min_tokens", "cache_salt",
+            "segment_reuse"})  # fmt: skip
 
 
 class CacheCreation(BaseModel):

@@ -148,6 +148,7 @@ class BaseServing:
                 allowed_token_ids=req.allowed_token_ids,
                 bad_words=req.bad_words,
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
+                segment_reuse=req.segment_reuse,
             )
         except InvalidArgumentError as exc:
             raise APIError(str(exc), 400, exc.param) from exc

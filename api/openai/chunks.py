@@ -27,11 +27,14 @@ def usage_of(finals: list[RequestOutput]) -> Usage:
     prompt = sum(len(o.prompt_token_ids) for o in finals)
     completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in finals)
+    reused = sum(o.num_reused_segment_tokens for o in finals)
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=cached, reused_segment_tokens=reused
+        ),
     )
 
 

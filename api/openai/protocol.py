@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictBool
 
 from prefixserve.api.frontend.protocol import APIError, Lenient, ToolRequest, random_id
 from prefixserve.core.sampling_params import MAX_LOGPROBS
@@ -61,6 +61,7 @@ class _SamplingFields(Lenient):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     cache_salt: str | None = None
+    segment_reuse: StrictBool | None = None  # opt out of --segment-reuse (kv/segments.py)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
@@ -163,7 +164,12 @@ class DetokenizeRequest(Lenient):
 
 
 class PromptTokensDetails(BaseModel):
+    """``cached_tokens``: prompt tokens whose K/V this request did not compute (prefix hits and
+    reused segments); ``reused_segment_tokens``: of those, the ones from reused segments
+    (``--segment-reuse``)."""
+
     cached_tokens: int = 0
+    reused_segment_tokens: int = 0
 
 
 class CompletionTokensDetails(BaseModel):

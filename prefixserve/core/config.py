@@ -17,6 +17,7 @@ DEFAULT_CPU_KV_CACHE_GB = 1.0
 DEFAULT_KV_CACHE_DIR_GB = 16.0
 _KV_OFFLOADING_DTYPES = ("auto", "int8", "fp8")
 ENFORCE_EAGER_ENV = "PREFIXSERVE_ENFORCE_EAGER"
+DEFAULT_SEGMENT_RECOMPUTE_RATIO = 0.5  # docs/segment-reuse.md: the measured trade-off
 
 
 def _enforce_eager_default() -> bool:
@@ -67,6 +68,12 @@ class EngineConfig:
     ``kv_retention_max_ttl_s``; a retention without a TTL (a pause on a tool call) gets
     ``kv_retention_default_ttl_s``, or with
     ``kv_retention_learn_ttl`` a TTL learned from the gaps seen between turns.
+
+    ``segment_reuse``: past a prompt's cached prefix, reuse the K/V of segments (documents,
+    paragraphs) computed in other prompts wherever they sit (``prefixserve.kv.segments``),
+    recomputing the first ``segment_recompute_ratio`` of each reused segment's tokens in its new
+    context. Approximate by design: a request that reuses nothing, or opts out
+    (``SamplingParams.segment_reuse=False``), is exact. Off by default.
     """
 
     model: str | None = None
@@ -109,6 +116,8 @@ class EngineConfig:
     kv_retention_max_ttl_s: float = 3600.0
     kv_retention_learn_ttl: bool = True
     kv_retention_max_sessions: int = 1024
+    segment_reuse: bool = False
+    segment_recompute_ratio: float = DEFAULT_SEGMENT_RECOMPUTE_RATIO
 
     @property
     def has_kv_tiers(self) -> bool:
@@ -116,6 +125,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self._check_kv_tiers()
+        self._check_segments()
         if isinstance(self.speculative_config, dict):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         require(
@@ -264,6 +274,16 @@ class EngineConfig:
             isinstance(self.kv_retention_learn_ttl, bool),
             "kv_retention_learn_ttl",
             f"must be True or False, got {self.kv_retention_learn_ttl!r}",
+        )
+
+    def _check_segments(self) -> None:
+        require(isinstance(self.segment_reuse, bool), "segment_reuse",
+                f"must be True or False, got {self.segment_reuse!r}")  # fmt: skip
+        ratio = self.segment_recompute_ratio
+        require(
+            isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0.0 <= ratio <= 1.0,
+            "segment_recompute_ratio",
+            f"must be a share of each reused segment in [0, 1], got {ratio!r}",
         )
 
     def resolve_max_model_len(self, max_position_embeddings: int) -> int:

@@ -29,8 +29,9 @@ class CompletionOutput:
 class RequestOutput:
     """The state of one request: its prompt, the tokens served from the prefix cache, its outputs.
 
-    ``num_cached_tokens`` counts prompt tokens whose KV came from the prefix cache at the request's
-    first scheduling (block-aligned). ``outputs`` are in index order (for beam search: best first).
+    ``num_cached_tokens`` counts prompt tokens whose KV the request did not compute, at its first
+    scheduling: its prefix-cache hit, plus ``num_reused_segment_tokens``, the tokens of reused
+    segments copied rather than recomputed (``EngineConfig.segment_reuse``; 0 without). ``outputs`` are in index order (for beam search: best first).
     ``prompt_logprobs`` (when asked for): per prompt token a dict {token_id: logprob} holding that
     token and the top k at its position, None for the first token; filled as the prompt runs.
     ``kv_retained_tokens``: per ``SamplingParams.kv_retention`` entry, the leading tokens whose
@@ -44,6 +45,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    num_reused_segment_tokens: int = 0
     error: str | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     kv_retained_tokens: tuple[int | None, ...] = ()

@@ -32,6 +32,9 @@ class SamplingParams:
     ``kv_retention``: one ``KVRetention`` or a list (one per cache breakpoint): keep the KV of
     the prompt up to each one's ``num_tokens`` for its TTL, as soft priority over other cached
     blocks (``prefixserve.kv.retention``). Stored as a tuple.
+
+    ``segment_reuse``: False opts this request out of segment reuse on an engine that has it on
+    (``EngineConfig.segment_reuse``): its output is then exact; None or True follow the engine.
     """
 
     n: int = 1
@@ -59,6 +62,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     kv_retention: KVRetention | list[KVRetention] | tuple[KVRetention, ...] | None = None
+    segment_reuse: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_retention, KVRetention):
@@ -150,6 +154,11 @@ class SamplingParams:
             self.repetition_penalty > 0.0,
             "repetition_penalty",
             f"must be > 0, got {self.repetition_penalty}",
+        )
+        require(
+            self.segment_reuse is None or isinstance(self.segment_reuse, bool),
+            "segment_reuse",
+            f"must be true, false or null, got {self.segment_reuse!r}",
         )
         require(
             self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),

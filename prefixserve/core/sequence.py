@@ -63,6 +63,10 @@ class Sequence:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # prompt ranges [start, end) whose K/V a segment copy wrote at admission (ahead of
+    # ``num_computed_tokens``): the scheduler steps over each one instead of computing it
+    # (``ScheduledSeq.pieces``)
+    reuse_spans: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -119,7 +123,8 @@ class Request:
     structured_output: StructuredOutputRequest | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
-    num_cached_tokens: int | None = None  # prompt tokens hit in the prefix cache at first admission
+    num_cached_tokens: int | None = None  # prompt tokens not computed at first admission
+    num_reused_segment_tokens: int = 0  # of those, the ones copied from reused segments
     error: str | None = None  # set when the engine failed this request alone
     # prompt_logprobs: per prompt position so far, None for the first (nothing predicts it)
     prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -48,6 +48,8 @@ from prefixserve.engine.stop_checker import StopChecker
 from prefixserve.kv.hashing import extend_block_hashes
 from prefixserve.kv.kv_cache_manager import KVCacheManager
 from prefixserve.kv.retention import KVRetention, RetentionTable
+from prefixserve.kv.segment_bounds import break_token_ids
+from prefixserve.kv.segments import SegmentReuse
 from prefixserve.kv.tiers import build_kv_tiers
 from prefixserve.kv.tiers.events import record_tier_events
 from prefixserve.models.loader import load_tokenizer
@@ -132,6 +134,7 @@ class LLMEngine:
             kv_events=self.kv_events,
             tiers=self.kv_tiers,
             retention=retention,
+            segments=self._segment_reuse(config),
         )
         self.scheduler = Scheduler(config, kv_cache_manager, StopChecker(self.eos_token_ids))
         self.structured_outputs = StructuredOutputManager(
@@ -153,6 +156,14 @@ class LLMEngine:
         self.num_steps = 0
         torch.manual_seed(config.seed)
         self._publish_kv_events()  # what a restart found in the disk tier
+
+    def _segment_reuse(self, config: EngineConfig) -> SegmentReuse | None:
+        """The segment index (``segment_reuse``), its break tokens read from the tokenizer."""
+        if not config.segment_reuse:
+            return None
+        ids = list(range(len(self.tokenizer)))
+        texts = self.tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
+        return SegmentReuse(config.block_size, break_token_ids(zip(ids, texts)))
 
     @staticmethod
     def _kv_events(config: EngineConfig):

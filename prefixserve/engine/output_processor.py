@@ -41,6 +41,7 @@ class OutputProcessor:
             outputs=outputs,
             finished=request.is_finished,
             num_cached_tokens=request.num_cached_tokens or 0,
+            num_reused_segment_tokens=request.num_reused_segment_tokens,
             error=request.error,
             prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs else None,
             kv_retained_tokens=tuple(request.kv_retained_tokens),

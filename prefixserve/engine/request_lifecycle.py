@@ -4,7 +4,9 @@ preemption bookkeeping (``num_computed_tokens`` reset, status).
 
 After a step (``apply``), in this order per scheduled sequence::
 
-    num_computed_tokens += the step's tokens                 (the forward wrote their K/V)
+    num_computed_tokens = the step's end                     (the forward wrote its pieces'
+                                                              K/V, the reused spans between
+                                                              them were copied at admission)
     sampled token(s):  n > 1 first sample -> fork the prompt sequence into n
                        append -> hash the blocks it fills -> advance the grammar
                        -> stops (StopChecker) -> a finished sequence frees its blocks
@@ -90,10 +92,9 @@ class RequestLifecycle:
         ``out.finished`` included. A request whose processing raises is failed alone."""
         for sched in out.scheduled:
             seq = sched.seq
-            start = seq.num_computed_tokens
-            seq.num_computed_tokens += sched.num_new_tokens
-            computed = min(seq.num_prompt_tokens, seq.num_computed_tokens) - start
-            self.computed_prompt_tokens += max(0, computed)
+            for start, n in sched.query_pieces():
+                self.computed_prompt_tokens += max(0, min(seq.num_prompt_tokens, start + n) - start)
+            seq.num_computed_tokens = sched.end
         touched: dict[str, Request] = {r.request_id: r for r in out.finished}
         for request, first, entries in result.prompt_logprobs:
             scored = request.prompt_logprobs

@@ -9,8 +9,12 @@ request starts from its longest cached prefix, so only the rest is computed.
 With tiers under the pool (``prefixserve.kv.tiers``), a request whose prefix continues in a
 tier waits while its blocks load on the tier worker (started when it is queued); it keeps its
 place in line, requests behind it pass, and it is admitted once the load was applied (a failed
-load is a miss: those tokens are computed). Retention a request carries
-(``SamplingParams.kv_retention``) is applied to its prompt once the prompt is computed (so its
+load is a miss: those tokens are computed). With segment reuse (``segment_reuse``), a request's
+prompt past its prefix hit may continue with segments computed in other prompts: their K/V is
+copied at admission (``SchedulerOutput.segment_copies``, all spans at once), a share of each
+is recomputed, and its sequence runs the stretches between reused spans as the pieces of one
+step (``ScheduledSeq.pieces``), stepping over the spans (``Sequence.reuse_spans``). Retention a
+request carries (``SamplingParams.kv_retention``) is applied to its prompt once the prompt is computed (so its
 first output reports what was granted, ``RequestOutput.kv_retained_tokens``), and to its output
 (``include_output``) when it is retired.
 
@@ -46,6 +50,7 @@ from prefixserve.engine.request_lifecycle import RequestLifecycle
 from prefixserve.engine.stop_checker import StopChecker
 from prefixserve.kv.kv_cache_manager import KVCacheManager, PrefixHit
 from prefixserve.kv.retention import KVRetention
+from prefixserve.kv.segments import SegmentPlan
 from prefixserve.sample.sampling_step import SamplingResult
 from prefixserve.spec_decode.proposer import DraftProposer
 
@@ -56,8 +61,9 @@ logger = logging.getLogger(__name__)
 AGING_TOKENS_PER_SECOND = 512.0
 PREFIX_POLICY_WINDOW = 64
 
-# one sequence's share of a step: (sequence, its tokens to run, draft tokens scored after them)
-_Plan = tuple[Sequence, int, list[int]]
+# one sequence's share of a step: (sequence, its tokens to run, draft tokens scored after them,
+# the pieces they run as)
+_Plan = tuple[Sequence, int, list[int], list[tuple[int, int]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,9 +197,9 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
-            for seq, n, drafts in plan:
+            for seq, n, drafts, pieces in plan:
                 if n > 0:
-                    out.scheduled.append(ScheduledSeq(request, seq, n, drafts))
+                    out.scheduled.append(ScheduledSeq(request, seq, n, drafts, _given(seq, pieces)))
                     budget -= n + len(drafts)
             i += 1
         if not preempted:
@@ -206,15 +212,38 @@ class Scheduler:
         """Per live sequence: how many of its tokens run, and the drafts scored after them."""
         plan: list[_Plan] = []
         for seq in request.live_seqs():
-            n = min(seq.num_uncomputed_tokens, budget)
+            pieces = self._pieces(seq, budget)
+            n = sum(k for _, k in pieces)
             drafts = self.proposer.propose(request, seq, n, budget - n) if speculate else []
-            plan.append((seq, n, drafts))
+            plan.append((seq, n, drafts, pieces))
             budget -= n + len(drafts)
         # Beams advance in lockstep: a beam may reach its last token only if all of them do.
         lockstep = request.is_beam_search and len(plan) > 1
-        if lockstep and not all(n == seq.num_uncomputed_tokens for seq, n, _ in plan):
-            plan = [(seq, min(n, seq.num_uncomputed_tokens - 1), []) for seq, n, _ in plan]
+        if lockstep and not all(n == seq.num_uncomputed_tokens for seq, n, _, _ in plan):
+            plan = [(seq, k, [], [(seq.num_computed_tokens, k)])
+                    for seq, n, _, _ in plan
+                    for k in (min(n, seq.num_uncomputed_tokens - 1),)]  # fmt: skip
         return plan
+
+    @staticmethod
+    def _pieces(seq: Sequence, budget: int) -> list[tuple[int, int]]:
+        """The stretches ``(start, n)`` of ``seq`` to run within ``budget`` tokens: from
+        ``num_computed_tokens`` on, each ending where a reused span starts (stepped over and
+        taken off ``reuse_spans``: its K/V was copied at admission)."""
+        pieces: list[tuple[int, int]] = []
+        pos, spans = seq.num_computed_tokens, seq.reuse_spans
+        while budget > 0:
+            while spans and spans[0][0] == pos:
+                pos = spans.pop(0)[1]
+            stop = spans[0][0] if spans else seq.num_tokens
+            n = min(stop - pos, budget)
+            if n <= 0:
+                break
+            pieces.append((pos, n))
+            pos, budget = pos + n, budget - n
+            if pos < stop:
+                break
+        return pieces
 
     def _append_slots(self, plan: list[_Plan], copies: list[tuple[int, int]]) -> bool:
         """Reserve slots for every sequence of a running request's plan; False if one does not fit.
@@ -227,15 +256,18 @@ class Scheduler:
         sequence of the plan fails: the copied-to block is already in the sequence's table, and a
         retry after a preemption finds it exclusively held and asks for no second copy.
         """
-        for seq, n, drafts in plan:
+        for seq, n, drafts, pieces in plan:
             if n == 0:
                 continue
-            got = self.kv.append_slots(seq.seq_id, seq.num_computed_tokens, n + len(drafts))
+            end = pieces[-1][0] + pieces[-1][1]
+            got = self.kv.append_slots(seq.seq_id, seq.num_computed_tokens,
+                                       end - seq.num_computed_tokens + len(drafts))  # fmt: skip
             if got is None:
                 return False
             copies.extend(got)
-        for seq, n, _ in plan:
-            self._cache_blocks(seq, seq.num_computed_tokens + n)
+        for seq, n, _, pieces in plan:
+            if n > 0:
+                self._cache_blocks(seq, pieces[-1][0] + pieces[-1][1])
         return True
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -255,7 +287,7 @@ class Scheduler:
             group = request.live_seqs()
             if num_seqs + max(len(group), request.num_samples) > self.config.max_num_seqs:
                 break
-            admitted = self._admit(request, budget, out.block_copies)
+            admitted = self._admit(request, budget, out)
             if admitted is None:
                 break
             self.waiting.popleft()
@@ -307,46 +339,80 @@ class Scheduler:
         return True
 
     def _admit(
-        self, request: Request, budget: int, copies: list[tuple[int, int]]
+        self, request: Request, budget: int, out: SchedulerOutput
     ) -> list[ScheduledSeq] | None:
         """Give every sequence of a waiting request its cached prefix and first chunk, or nothing.
 
-        A prefix ending in a partial tail adds that tail's copy to ``copies`` (only once the whole
-        request is admitted: a rolled-back admission copies nothing). A preempted beam group is
-        recomputed up to, not including, each beam's last token; the running path then runs the
-        last tokens of all beams in one step (beams move in lockstep).
+        A prefix ending in a partial tail adds that tail's copy to ``out.block_copies``, reused
+        segments their copies to ``out.segment_copies`` (only once the whole request is
+        admitted: a rolled-back admission copies nothing). A preempted beam group is recomputed
+        up to, not including, each beam's last token; the running path then runs the last
+        tokens of all beams in one step (beams move in lockstep).
         """
         admitted: list[ScheduledSeq] = []
         hits: list[int] = []
         tail_copies: list[tuple[int, int]] = []
+        segment_copies: list = []
         lockstep = request.is_beam_search and len(request.live_seqs()) > 1
+        reused = 0
         for seq in request.live_seqs():
             hit = self._lookup(request, seq)
+            plan = self._segment_plan(request, seq, hit.num_tokens)
+            spans = [(span.start, span.end) for span in plan.spans] if plan is not None else []
+            seq.num_computed_tokens, seq.reuse_spans = hit.num_tokens, spans
             remaining = seq.num_tokens - hit.num_tokens
-            n = min(remaining - 1 if lockstep else remaining, budget)
+            if lockstep:
+                n = min(remaining - 1, budget)
+                pieces = [(hit.num_tokens, n)]
+            else:
+                pieces = self._pieces(seq, budget)
+                n = sum(k for _, k in pieces)
             chunked_out = n < remaining and not self.config.enable_chunked_prefill and not lockstep
-            if (n <= 0 and not lockstep) or chunked_out:
-                self._roll_back(admitted)
+            fits = (n > 0 or lockstep) and not chunked_out
+            end = pieces[-1][0] + pieces[-1][1] if pieces else hit.num_tokens
+            if not fits or not self.kv.allocate_for_prompt(
+                seq.seq_id, hit, end - hit.num_tokens, tail_copies, plan, segment_copies
+            ):
+                self._roll_back([*admitted, ScheduledSeq(request, seq, 0)])
                 return None
-            if not self.kv.allocate_for_prompt(seq.seq_id, hit, n, tail_copies):
-                self._roll_back(admitted)
-                return None
-            seq.num_computed_tokens = hit.num_tokens
-            admitted.append(ScheduledSeq(request, seq, n))
-            hits.append(hit.num_tokens)
+            admitted.append(ScheduledSeq(request, seq, n, pieces=_given(seq, pieces)))
+            reused = plan.num_reused_tokens if plan is not None else 0
+            hits.append(hit.num_tokens + reused)
+            if plan is not None:  # its blocks before the first reused one are exact
+                bs = self.block_size
+                exact = spans[0][0] // bs * bs if spans else seq.num_prompt_tokens
+                self.kv.record_segments(seq.token_ids, seq.block_hashes, exact,
+                                        request.extra_keys)  # fmt: skip
             budget -= n
-        copies.extend(tail_copies)
+        out.block_copies.extend(tail_copies)
+        out.segment_copies.extend(segment_copies)
         for sched in admitted:  # only now: a rolled-back admission must register nothing
-            self._cache_blocks(sched.seq, sched.seq.num_computed_tokens + sched.num_new_tokens)
+            self._cache_blocks(sched.seq, sched.end)
         if request.num_cached_tokens is None:  # prompt tokens only: not jump-forward text
             request.num_cached_tokens = min(hits[0], len(request.prompt_token_ids))
+            request.num_reused_segment_tokens = reused
             self._first_admitted.append(request)
         return [s for s in admitted if s.num_new_tokens > 0]
+
+    def _segment_plan(self, request: Request, seq: Sequence, start: int) -> SegmentPlan | None:
+        """The reused segments of ``seq``'s prompt after ``start`` (its prefix hit), for a
+        request that reads the prefix cache with segment reuse on and not opted out (one
+        sequence, no beams, chunked prefill on); None otherwise."""
+        config = self.config
+        use = (config.segment_reuse and self.enable_caching and config.enable_chunked_prefill
+               and getattr(request.params, "segment_reuse", None) is not False
+               and not request.is_beam_search and request.num_prompt_logprobs is None
+               and len(request.live_seqs()) == 1)  # fmt: skip
+        if not use:
+            return None
+        return self.kv.find_segments(seq.token_ids, start, seq.num_prompt_tokens - 1,
+                                     request.extra_keys, config.segment_recompute_ratio)  # fmt: skip
 
     def _roll_back(self, admitted: list[ScheduledSeq]) -> None:
         for sched in admitted:
             self.kv.free(sched.seq.seq_id)
             sched.seq.num_computed_tokens = 0
+            sched.seq.reuse_spans = []
 
     def _lookup(self, request: Request, seq: Sequence) -> PrefixHit:
         """The cached prefix ``seq`` may start from; none for a request that scores its prompt
@@ -381,6 +447,7 @@ class Scheduler:
         for seq in request.seqs:
             self.kv.free(seq.seq_id)
             seq.num_computed_tokens = 0
+            seq.reuse_spans = []  # planned again at readmission
         request.status = RequestStatus.WAITING
         request.kv_load = None  # its next admission may load from the tiers again
         self.waiting.appendleft(request)
@@ -491,3 +558,9 @@ class Scheduler:
             num_live_seqs=num_live,
             reserved_max_tokens=reserved,
         )
+
+
+def _given(seq: Sequence, pieces: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
+    """``ScheduledSeq.pieces``: None for one piece from ``num_computed_tokens`` (the usual)."""
+    one = len(pieces) == 1 and pieces[0][0] == seq.num_computed_tokens
+    return None if one or not pieces else pieces

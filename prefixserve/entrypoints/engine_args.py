@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from prefixserve.core.config import DEFAULT_KV_CACHE_DIR_GB
+from prefixserve.core.config import DEFAULT_KV_CACHE_DIR_GB, DEFAULT_SEGMENT_RECOMPUTE_RATIO
 
 SECRET_ENV = "PREFIXSERVE_KV_TIER_SECRET"
 
@@ -96,7 +96,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         '"num_speculative_tokens": 4}\' (default: off)',
     )
     _add_kv_tier_args(p)
+    _add_segment_args(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _add_segment_args(p: argparse.ArgumentParser) -> None:
+    """Segment reuse (docs/segment-reuse.md)."""
+    p.add_argument(
+        "--segment-reuse",
+        action="store_true",
+        help="past a prompt's cached prefix, reuse the K/V of documents and paragraphs computed "
+        "in other prompts wherever they sit (approximate; a request may opt out)",
+    )
+    p.add_argument(
+        "--segment-recompute-ratio",
+        type=float,
+        default=DEFAULT_SEGMENT_RECOMPUTE_RATIO,
+        metavar="SHARE",
+        help="share of each reused segment's tokens recomputed in its new context (1.0: exact)",
+    )
 
 
 def _add_kv_tier_args(p: argparse.ArgumentParser) -> None:
@@ -223,6 +241,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_retention_max_ttl_s=args.kv_retention_max_ttl_s,
         kv_retention_learn_ttl=args.kv_retention_learn_ttl,
         kv_retention_max_sessions=args.kv_retention_max_sessions,
+        segment_reuse=args.segment_reuse,
+        segment_recompute_ratio=args.segment_recompute_ratio,
     )
 
 

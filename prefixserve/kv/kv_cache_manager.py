@@ -36,6 +36,17 @@ With ``tiers`` (``prefixserve.kv.tiers.KVTierManager``), full blocks continue be
     commit_step()                         the step's new blocks are written through to the
                                           disk and shared tiers; evicted ones go to the host tier
 
+With ``segments`` (``prefixserve.kv.segments.SegmentReuse``), K/V is reused past the prefix too::
+
+    find_segments(tokens, start, end, keys, ratio)   the spans after a prefix hit served from the
+                                          segment index (no side effects)
+    allocate_for_prompt(..., plan=, segment_copies=)  blocks through the last span, the spans'
+                                          sources pinned until the step ends, their copies
+                                          listed for the runner; the sequence's blocks from
+                                          the first reused one on are never registered (their
+                                          K/V is approximate), nor its tail
+    record_segments(tokens, hashes, end, keys)   index the exactly computed segments
+
 A loaded block is registered only after its K/V was copied into it, outside any step's
 journal: a failed step cannot unregister it, and a failed load registers nothing. A copy-in that
 raises (what the tiers' checks let through, a device error) frees its blocks unregistered and is
@@ -63,6 +74,7 @@ from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.kv.block_pool import BlockPool, KVBlock
 from prefixserve.kv.hashing import BlockHash, BlockKey, ExtraKeys
 from prefixserve.kv.partial_tail import tail_key
+from prefixserve.kv.segments import SegmentCopy, SegmentPlan, SegmentReuse
 
 if TYPE_CHECKING:
     from prefixserve.kv.kv_events import KVEventRecorder
@@ -96,6 +108,8 @@ class _SeqState:
     blocks: list[KVBlock]
     num_registered: int  # leading blocks already looked at by cache_full_blocks
     pinned_tail: KVBlock | None = None  # the tail copied into blocks[num_registered] this step
+    max_registered: int | None = None  # blocks past it hold reused (approximate) K/V
+    pinned_sources: list[KVBlock] | None = None  # segment sources copied from this step
 
 
 class KVCacheManager:
@@ -116,6 +130,7 @@ class KVCacheManager:
         kv_events: KVEventRecorder | None = None,
         tiers: KVTierManager | None = None,
         retention: RetentionTable | None = None,
+        segments: SegmentReuse | None = None,
     ) -> None:
         if block_size <= 0:
             raise InvalidArgumentError(
@@ -129,6 +144,7 @@ class KVCacheManager:
         self.watermark_blocks = int(watermark * num_blocks)
         self.tiers = tiers if enable_prefix_caching else None
         self.retention = retention
+        self.segments = segments if enable_prefix_caching else None
         watched = self.tiers is not None or retention is not None
         self.pool = BlockPool(
             num_blocks,
@@ -146,7 +162,7 @@ class KVCacheManager:
         # this step's registrations: the blocks, and each sequence's num_registered before it
         self._step_blocks: list[tuple[KVBlock, BlockHash]] = []
         self._step_states: dict[int, tuple[_SeqState, int]] = {}
-        self._pinned: list[_SeqState] = []  # sequences whose tail copy runs with this step
+        self._pinned: list[_SeqState] = []  # sequences whose tail or segment copies run this step
         self._query_tokens = 0
         self._hit_tokens = 0
         self._tail_hits = 0
@@ -202,9 +218,12 @@ class KVCacheManager:
         hit: PrefixHit,
         num_new_tokens: int,
         copies: list[tuple[int, int]] | None = None,
+        plan: SegmentPlan | None = None,
+        segment_copies: list[SegmentCopy] | None = None,
     ) -> bool:
         """Admit a new sequence: its table is ``hit.blocks`` plus fresh blocks for the
-        ``num_new_tokens`` tokens that follow the hit. Keeps the watermark in reserve.
+        ``num_new_tokens`` tokens that follow the hit (and, with a segment ``plan``, through its
+        last span, whose copies go to ``segment_copies``). Keeps the watermark in reserve.
 
         Returns False, having changed nothing, when the blocks do not fit. The full blocks of
         the hit are never written. A hit ending in a tail appends ``(tail, first fresh block)``
@@ -218,14 +237,18 @@ class KVCacheManager:
         assert num_new_tokens >= 0
         tail = hit.tail
         assert tail is None or (copies is not None and num_new_tokens > 0)
-        num_fresh = self.get_num_blocks_needed(hit.num_tokens + num_new_tokens) - len(hit.blocks)
-        evictable_hits = len({b.block_id for b in hit.blocks if b.ref_cnt == 0})
+        spans = plan.spans if plan is not None else []
+        end = max(hit.num_tokens + num_new_tokens, spans[-1].end if spans else 0)
+        num_fresh = self.get_num_blocks_needed(end) - len(hit.blocks)
+        sources = list({id(b): b for span in spans for b in span.src_blocks}.values())
+        evictable_hits = len({b.block_id for b in [*hit.blocks, *sources] if b.ref_cnt == 0})
         pin = tail is not None and (
             tail.ref_cnt > 0 or self.can_allocate(num_fresh + evictable_hits + 1)
         )
         if not self.can_allocate(num_fresh + evictable_hits):
             return False
         self.pool.touch(hit.blocks)
+        self.pool.touch(sources)  # before the allocation, which must not evict them
         blocks = list(hit.blocks)
         if tail is not None:
             if pin:
@@ -242,10 +265,53 @@ class KVCacheManager:
             assert copies is not None
             copies.append((tail.block_id, blocks[len(hit.blocks)].block_id))
             state.pinned_tail = tail
+        if spans:
+            assert segment_copies is not None and self.segments is not None
+            bs = self.block_size
+            for span in spans:
+                dst = [blocks[p // bs].block_id * bs + p % bs for p in range(span.start, span.end)]
+                segment_copies.append(SegmentCopy(span.src_slots(bs), dst, span.src_start,
+                                                  span.start))  # fmt: skip
+            state.max_registered = spans[0].start // bs
+            state.pinned_sources = sources
+        if plan is not None and self.segments is not None:
+            self.segments.admitted(plan)
+        if state.pinned_tail is not None or spans:
             self._pinned.append(state)
         self._query_tokens += hit.num_query_tokens
         self._hit_tokens += hit.num_tokens
         return True
+
+    def find_segments(
+        self,
+        token_ids: Sequence[int],
+        start: int,
+        end: int,
+        extra_keys: ExtraKeys,
+        ratio: float,
+    ) -> SegmentPlan | None:
+        """The segment spans of ``token_ids[start:end]`` (``SegmentReuse.plan``): sources are
+        blocks a finished step wrote, never one registered in this step. None without segments."""
+        if self.segments is None:
+            return None
+        this_step = {id(b) for b, _ in self._step_blocks}
+
+        def find(block_hash: BlockHash) -> KVBlock | None:
+            block = self.pool.hashed_block(block_hash)
+            return block if block is not None and id(block) not in this_step else None
+
+        return self.segments.plan(token_ids, start, end, extra_keys, ratio, find)
+
+    def record_segments(
+        self,
+        token_ids: Sequence[int],
+        block_hashes: Sequence[BlockHash],
+        end: int,
+        extra_keys: ExtraKeys,
+    ) -> None:
+        """Index the segments of ``token_ids[:end]``, a prompt computed exactly that far."""
+        if self.segments is not None:
+            self.segments.record(token_ids, block_hashes, end, extra_keys)
 
     def append_slots(
         self, seq_id: SeqId, num_computed_tokens: int, num_new_tokens: int
@@ -295,6 +361,8 @@ class KVCacheManager:
             return
         bs = self.block_size
         num_full = min(num_computed_tokens // bs, len(state.blocks))
+        if state.max_registered is not None:
+            num_full = min(num_full, state.max_registered)
         assert len(block_hashes) >= num_full and len(token_ids) >= num_full * bs, (
             f"{seq_id!r}: {num_full} full blocks computed but only {len(block_hashes)} hashes "
             f"and {len(token_ids)} tokens given"
@@ -323,7 +391,8 @@ class KVCacheManager:
 
     def commit_step(self) -> None:
         """The step's forward wrote its K/V: its registrations stand (and are written through to
-        the tiers that keep every computed block), its tail copies ran (tails are unpinned)."""
+        the tiers that keep every computed block), its tail and segment copies ran (their
+        sources are unpinned)."""
         if self.tiers is not None and self._step_blocks:
             self.tiers.on_committed([b for b, h in self._step_blocks if b.block_hash == h])
         self._step_blocks.clear()
@@ -347,7 +416,8 @@ class KVCacheManager:
         parent = self._require(parent_id)
         assert child_id not in self._seqs, f"fork: {child_id!r} is already a live sequence"
         self.pool.touch(parent.blocks)
-        self._seqs[child_id] = _SeqState(list(parent.blocks), parent.num_registered)
+        self._seqs[child_id] = _SeqState(list(parent.blocks), parent.num_registered,
+                                         max_registered=parent.max_registered)  # fmt: skip
 
     def free(self, seq_id: SeqId) -> None:
         """Release the sequence's blocks, tail first so chain tails are evicted before heads."""
@@ -376,7 +446,8 @@ class KVCacheManager:
         if state is not None and self.enable_prefix_caching:
             bs = self.block_size
             num_full, num_tail = divmod(num_computed_tokens, bs)
-            if num_tail > 0 and num_full < len(state.blocks):
+            exact = state.max_registered is None or num_full < state.max_registered
+            if num_tail > 0 and num_full < len(state.blocks) and exact:
                 block = state.blocks[num_full]
                 if block.ref_cnt == 1 and block.block_hash is None:
                     parent = block_hashes[num_full - 1] if num_full > 0 else None
@@ -575,12 +646,16 @@ class KVCacheManager:
             "tier_loaded_blocks": self._loaded_blocks,
             "tier_load_failures": self._failed_load_blocks,
             **(self.retention.stats() if self.retention is not None else {}),
+            **(self.segments.stats() if self.segments is not None else {}),
         }
 
     def _unpin(self, state: _SeqState) -> None:
         if state.pinned_tail is not None:
             self.pool.free([state.pinned_tail])
             state.pinned_tail = None
+        if state.pinned_sources is not None:
+            self.pool.free(state.pinned_sources)
+            state.pinned_sources = None
 
     def _require(self, seq_id: SeqId) -> _SeqState:
         state = self._seqs.get(seq_id)

@@ -1,6 +1,7 @@
 """Turns a ``SchedulerOutput`` into one forward pass over the flattened batch and returns logits.
 
-Per step: perform the copy-on-write block copies, lay the batch out (decodes first; sequences
+Per step: perform the copy-on-write block copies and the segment copies (reused K/V moved to its
+new positions, ``segment_copy``), lay the batch out (decodes first; sequences
 that share leading blocks next to each other, so each prefix group's tokens are one slice), build
 ``input_ids`` and the ``AttentionMetadata``, run the model once (a decode step replays a capture
 made at start-up, ``prefixserve.runner.decode_replay``: a CUDA graph, or a compiled step on CPU), and
@@ -26,6 +27,7 @@ from prefixserve.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from prefixserve.models.linear import PACKED_KERNELS, LinearKernel
 from prefixserve.models.loader import load_model
 from prefixserve.runner.decode_replay import create_decode_replay
+from prefixserve.runner.segment_copy import copy_segments
 
 logger = logging.getLogger(__name__)
 
@@ -133,22 +135,32 @@ class ModelRunner:
                 torch.tensor(src, dtype=torch.int64, device=self.device),
                 torch.tensor(dst, dtype=torch.int64, device=self.device),
             )
+        if out.segment_copies:
+            rope = self.model.model.rotary_emb
+            copy_segments(self.kv_caches, out.segment_copies, rope.cos, rope.sin)
         tables = out.block_tables
         batch = sorted(out.scheduled, key=lambda s: (s.num_query_tokens != 1, tables[s.seq.seq_id]))
-        spans = [SeqSpan(tables[s.seq.seq_id], s.seq.num_computed_tokens, s.num_query_tokens)
-                 for s in batch]  # fmt: skip
+        # one span per piece (a sequence with reused segments may run several), drafts on the last
+        spans, last = [], []
+        for s in batch:
+            pieces = s.query_pieces()
+            for k, (start, n) in enumerate(pieces):
+                n += len(s.draft_token_ids) if k == len(pieces) - 1 else 0
+                spans.append(SeqSpan(tables[s.seq.seq_id], start, n))
+            last.append(len(spans) - 1)
         input_ids = [t for s in batch for t in _query_token_ids(s)]
         positions, meta = build_attention_metadata(spans, self.block_size, self.device)
         qsl = meta.query_start_loc_cpu
         samplers = [s for s in batch if s.samples]
-        sample_rows = [row for i, s in enumerate(batch)
+        sample_rows = [row for i, s in zip(last, batch)
                        for row in range(qsl[i + 1] - s.num_sample_rows, qsl[i + 1])]  # fmt: skip
-        scored = [(s, qsl[i], n) for i, s in enumerate(batch) if (n := _num_prompt_rows(s)) > 0]
+        scored = [(s, qsl[i], n) for i, s in zip(last, batch) if (n := _num_prompt_rows(s)) > 0]
         keep = None
         if len(sample_rows) < len(input_ids) and not scored:
             # the last layer runs for the sampling rows only (prompt logprobs need every row)
             row_spans = [SeqSpan(table, start + n - s.num_sample_rows, s.num_sample_rows)
-                         for s, (table, start, n) in zip(batch, spans) if s.samples]  # fmt: skip
+                         for i, s in zip(last, batch) if s.samples
+                         for table, start, n in (spans[i],)]  # fmt: skip
             row_meta = (
                 build_attention_metadata(row_spans, self.block_size, self.device)[1]
                 if row_spans
@@ -185,9 +197,11 @@ def _check_batch_invariant(model: torch.nn.Module) -> None:
 
 
 def _query_token_ids(sched: ScheduledSeq) -> list[int]:
-    """The tokens the step runs for ``sched``: its scheduled tokens, then its drafts."""
-    start = sched.seq.num_computed_tokens
-    return sched.seq.token_ids[start : start + sched.num_new_tokens] + sched.draft_token_ids
+    """The tokens the step runs for ``sched``: its pieces' tokens, then its drafts."""
+    tokens = sched.seq.token_ids
+    return [t for start, n in sched.query_pieces() for t in tokens[start : start + n]] + (
+        sched.draft_token_ids
+    )
 
 
 def _num_prompt_rows(sched: ScheduledSeq) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, StrictBool
 
 from prefixserve.api.frontend.protocol import APIError, Lenient
 from prefixserve.api.frontend.reasoning_effort import EFFORTS
@@ -50,6 +50,7 @@ class ResponsesRequest(Lenient):
     reasoning: dict[str, Any] | None = None
     stream_options: dict[str, Any] | None = None  # include_obfuscation: no padding is sent
     cache_salt: str | None = None
+    segment_reuse: StrictBool | None = None  # opt out of --segment-reuse (kv/segments.py)
     seed: int | None = None
     generate: bool = True  # Codex's WebSocket warm-up sends false: prefill, write nothing
 

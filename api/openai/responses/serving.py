@@ -192,7 +192,8 @@ class ResponsesServing(TemplateServing):
                                                 history + new_items, offered.functions)  # fmt: skip
         logprobs = (req.top_logprobs or 0) if LOGPROBS in (req.include or []) else None
         sampling = _SamplingFields(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                   cache_salt=req.cache_salt)  # fmt: skip
+                                   cache_salt=req.cache_salt,
+                                   segment_reuse=req.segment_reuse)  # fmt: skip
         inputs = self.inputs(prompt.token_ids, tools, sampling, req.max_output_tokens,
                              structured=_text_format(req, tools), logprobs=logprobs,
                              tenant=tenant)  # fmt: skip

@@ -180,7 +180,8 @@ def _usage(final: RequestOutput, generated: int, reasoning: int) -> dict:
     prompt = len(final.prompt_token_ids)
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
+        "input_tokens_details": {"cached_tokens": final.num_cached_tokens,
+                                 "reused_segment_tokens": final.num_reused_segment_tokens},
         "output_tokens": generated,
         "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": prompt + generated,
