@@ -28,33 +28,20 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from types import FrameType
 
-from fastapi import FastAPI, Request, WebSocket
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import FastAPI
+from fastapi.responses import Response
 
 import prefixserve
 from prefixserve.api.anthropic.messages import MessagesServing
-from prefixserve.api.anthropic.protocol import (
-    CountTokensRequest,
-    is_messages_path,
-)
-from prefixserve.api.async_engine import AsyncEngine, EngineDeadError
+from prefixserve.api.async_engine import AsyncEngine
 from prefixserve.api.dashboard import dashboard_router
-from prefixserve.api.frontend.gate import Activity, Gate, drain, error_response
-from prefixserve.api.frontend.protocol import APIError, error_body
-from prefixserve.api.frontend.tenancy import Tenants, key_tenants, tenant_of
+from prefixserve.api.frontend.auth import install_authentication
+from prefixserve.api.frontend.errors import install_error_handlers
+from prefixserve.api.frontend.gate import Activity, Gate, drain
+from prefixserve.api.frontend.tenancy import Tenants, key_tenants
 from prefixserve.api.metrics import ServerMetrics
 from prefixserve.api.openai.chat import ChatServing
 from prefixserve.api.openai.completions import CompletionServing
-from prefixserve.api.openai.prompt_cache import retention_session
-from prefixserve.api.openai.protocol import (
-    DetokenizeRequest,
-    ModelCard,
-    ModelList,
-    ReleaseRequest,
-    TokenizeRequest,
-)
 from prefixserve.api.openai.responses.metrics import ResponsesCollector
 from prefixserve.api.openai.responses.serving import ResponsesServing
 from prefixserve.api.openai.responses.store import (
@@ -65,9 +52,13 @@ from prefixserve.api.openai.responses.store import (
     ResponseStore,
 )
 from prefixserve.api.openai.responses.tools import HOSTED_POLICIES
-from prefixserve.api.openai.responses.websocket import serve_websocket
 from prefixserve.api.openai.tokenization import TokenizationServing
-from prefixserve.core.errors import CacheCapacityError, InvalidArgumentError
+from prefixserve.api.routes.generate import generation_router
+from prefixserve.api.routes.kv import kv_router
+from prefixserve.api.routes.responses import responses_router
+from prefixserve.api.routes.service import service_router
+from prefixserve.api.routes.tokenization import tokenization_router
+from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.engine.chat_template import CONTENT_FORMATS
 from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.engine.request_chat_template import TemplateLimits
@@ -167,32 +158,6 @@ class ServerConfig:
             )
 
 
-def _body_error_message(exc: BaseException | None) -> str:
-    """Why a request body could not be parsed, and what to change."""
-    if isinstance(exc, RecursionError):
-        return "request body: the JSON is nested too deeply to parse; flatten it"
-    if isinstance(exc, UnicodeDecodeError):
-        return "request body: not valid UTF-8; send UTF-8 encoded JSON"
-    return f"request body: could not be parsed as JSON ({exc!r}); send a JSON object"
-
-
-def _validation_message(exc: RequestValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        parts.append(f"{loc or 'body'}: {err.get('msg')}")
-    return "; ".join(parts) or "invalid request"
-
-
-def _validation_param(exc: RequestValidationError) -> str | None:
-    """The top-level field of the first error, as OpenAI's ``param``."""
-    for err in exc.errors():
-        loc = [x for x in err.get("loc", ()) if x != "body"]
-        if loc and isinstance(loc[0], str):
-            return loc[0]
-    return None
-
-
 def create_app(
     llm_engine: LLMEngine | AsyncEngine,
     config: ServerConfig,
@@ -240,7 +205,6 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         template_limits=limits if config.allow_client_chat_template else None, **options,
     )  # fmt: skip
     chat = ChatServing(engine, names, **template)
-    tokenization = TokenizationServing(chat)
     completion = CompletionServing(engine, names, **options)
     store = ResponseStore(
         config.responses_store_max_entries,
@@ -264,136 +228,20 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             await asyncio.to_thread(store.close)
 
     app = FastAPI(title="prefixserve", version=prefixserve.__version__, lifespan=lifespan)
+    activity = Activity()
     app.state.engine, app.state.config, app.state.tenants = engine, config, tenants
-    app.state.activity = Activity()
-    app.state.responses = responses
-
-    @app.exception_handler(APIError)
-    async def on_api_error(request: Request, exc: APIError):
-        return error_response(exc, request.url.path)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation(request: Request, exc: RequestValidationError):
-        return error_response(
-            APIError(_validation_message(exc), 400, _validation_param(exc)), request.url.path
-        )
-
-    async def on_engine_error(request: Request, exc: Exception):
-        return error_response(APIError(str(exc), 400, getattr(exc, "param", None)), request.url.path)
-
-    async def on_engine_dead(request: Request, exc: Exception):
-        return error_response(APIError(str(exc), 500), request.url.path)
-
-    app.add_exception_handler(EngineDeadError, on_engine_dead)
-    app.add_exception_handler(InvalidArgumentError, on_engine_error)
-    app.add_exception_handler(CacheCapacityError, on_engine_error)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http(request: Request, exc: StarletteHTTPException):
-        if exc.status_code == 400 and exc.__cause__ is not None:
-            return error_response(APIError(_body_error_message(exc.__cause__), 400), request.url.path)
-        if is_messages_path(request.url.path):
-            return error_response(APIError(str(exc.detail), exc.status_code), request.url.path)
-        return JSONResponse(
-            error_body(
-                str(exc.detail),
-                "NotFoundError" if exc.status_code == 404 else "BadRequestError",
-                exc.status_code,
-            ),
-            exc.status_code,
-        )
-
-    public = frozenset({"/health", *config.public_routes})
-
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        """Every route but the public ones: the request's tenant, from its verified credentials
-        (a 401 when keys are configured and they are not one's)."""
-        if request.url.path not in public:
-            headers = request.headers
-            try:
-                request.state.tenant = tenants.authenticate(headers.get("authorization"),
-                                                            headers.get("x-api-key"))  # fmt: skip
-            except APIError as exc:
-                return error_response(exc, request.url.path)
-        return await call_next(request)
-
-    @app.get("/health")
-    async def health():
-        if engine.dead is not None:
-            return JSONResponse(
-                error_body(f"engine dead: {engine.dead!r}", "EngineDeadError", 503), 503
-            )
-        return Response(status_code=200)
-
-    @app.get("/version")
-    async def version():
-        return {"version": prefixserve.__version__}
-
-    @app.get("/v1/models")
-    async def models():
-        return ModelList(
-            data=[
-                ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len)
-                for name in names
-            ]
-        )
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        completion.check_model(model_id)
-        return ModelCard(id=model_id, root=engine.model_name, max_model_len=engine.max_model_len)
-
-    for path, create in (("/v1/chat/completions", chat.create), ("/v1/completions", completion.create),
-                         ("/v1/responses", responses.create), ("/v1/messages", messages.create)):  # fmt: skip
-        app.add_api_route(path, create, methods=["POST"])  # a JSON body or an event stream
-
-    @app.post("/v1/messages/count_tokens")
-    async def count_message_tokens(req: CountTokensRequest):
-        return await messages.count_tokens(req)
-
-    @app.websocket("/v1/responses")
-    async def responses_websocket(ws: WebSocket):
-        await serve_websocket(ws, responses, tenants, app.state.activity,
-                              config.max_request_body_bytes)
-
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str, raw_request: Request, cache_salt: str | None = None):
-        return responses.lookup(tenant_of(raw_request), response_id, cache_salt).response
-
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(
-        response_id: str, raw_request: Request, cache_salt: str | None = None
+    app.state.activity, app.state.responses = activity, responses
+    install_error_handlers(app)
+    install_authentication(app, tenants, {"/health", *config.public_routes})
+    for router in (
+        service_router(engine, names, completion.check_model),
+        generation_router(chat, completion, responses, messages),
+        responses_router(responses, tenants, activity, config.max_request_body_bytes),
+        kv_router(engine),
+        tokenization_router(TokenizationServing(chat)),
     ):
-        return await responses.delete(tenant_of(raw_request), response_id, cache_salt)
-
-    @app.post("/v1/kv/release")
-    async def release_kv(body: ReleaseRequest, raw_request: Request):
-        """Drop what the caller retained: with ``id``, what that response or completion
-        retained (``prompt_cache_retention``); without, its ``cache_control`` prefixes. Scoped
-        to the caller's tenant and ``cache_salt``; the blocks stay cached as ordinary blocks."""
-        namespace = tenant_of(raw_request).namespace(body.cache_salt)
-        session = namespace if body.id is None else retention_session(namespace, body.id)
-        return {"object": "kv.release", "released_blocks": await engine.release_kv(session)}
-
-    @app.get("/v1/responses/{response_id}/input_items")
-    async def response_input_items(
-        response_id: str, raw_request: Request, cache_salt: str | None = None, limit: int = 20,
-        order: str = "desc", after: str | None = None,
-    ):  # fmt: skip
-        entry = responses.lookup(tenant_of(raw_request), response_id, cache_salt)
-        return responses.input_items(entry, limit, order, after)
-
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest):
-        return await tokenization.tokenize(req)
-
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest):
-        return await tokenization.detokenize(req)
-
-    app.add_middleware(Gate, max_body_bytes=config.max_request_body_bytes,
-                       activity=app.state.activity)
+        app.include_router(router)
+    app.add_middleware(Gate, max_body_bytes=config.max_request_body_bytes, activity=activity)
     return app
 
 

@@ -316,7 +316,8 @@ def test_random_disconnects_leave_nothing_running(drain_server):
                     break
 
     async def post_then_leave(c: httpx.AsyncClient, i: int) -> None:
-        body = {"prompt": f"wait {i}", "max_tokens": 300, "ignore_eos": True}
+        # 1,000 tokens cannot finish within the timeout, however quiet the machine
+        body = {"prompt": f"wait {i}", "max_tokens": 1000, "ignore_eos": True}
         with pytest.raises(httpx.TimeoutException):
             await c.post(base + "/v1/completions", json=body, timeout=rng.uniform(0.2, 1.0))
 
