@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 from servers import MODEL, launch_server, metric, scrape
+from test_dashboard import CHROMIUM, chromium, figure
 
 DOCS = [
     f"Report {i}: the station at Vel{i}ra logged {300 + 17 * i} quakes in {1900 + 7 * i}. "
@@ -65,6 +66,19 @@ def test_a_reordered_rag_prompt_reuses_its_documents_on_every_protocol(base):
     samples = scrape(base)
     assert metric(samples, "prefixserve_segment_hits_total") == stats["segment_hits"]
     assert metric(samples, "prefixserve_segment_reused_tokens_total") > 0
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
+def test_the_dashboard_shows_segment_hits(base, tmp_path):
+    for order in ([1, 3], [3, 1]):
+        body = {"model": MODEL, "max_tokens": 1,
+                "messages": [{"role": "user", "content": stuffed(order, "Which?")}]}  # fmt: skip
+        assert httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).is_success
+    dom = chromium(tmp_path, f"{base}/dashboard", "--dump-dom").stdout
+    stats = httpx.get(f"{base}/stats").json()
+    assert 'data-ready="true"' in dom
+    assert float(figure(dom, "segment-hits")) == stats["segment_hits"] > 0
+    assert float(figure(dom, "segment-reused-tokens")) == stats["segment_reused_tokens"]
 
 
 def test_a_request_opts_out_and_a_non_boolean_is_a_400(base):
