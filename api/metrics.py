@@ -103,8 +103,7 @@ class _EngineCollector(Collector):
 
     def _segments(self) -> Iterator[Metric]:
         """Segment reuse (``--segment-reuse``): none when it is off."""
-        cache, label = self.stats.kv_cache, self.model_name
-        for name, doc, key, kind in (
+        yield from self._kv_cache_families((
             ("prefixserve_segment_lookups", "Prompt segments looked up in the segment index.",
              "segment_lookups", CounterMetricFamily),
             ("prefixserve_segment_hits", "Prompt segments found (their K/V reused).",
@@ -113,17 +112,22 @@ class _EngineCollector(Collector):
              "reused segment instead of computed.", "segment_reused_tokens", CounterMetricFamily),
             ("prefixserve_segment_entries", "Segments in the segment index now.",
              "segment_entries", GaugeMetricFamily),
-        ):  # fmt: skip
+        ))  # fmt: skip
+
+    def _kv_cache_families(self, rows) -> Iterator[Metric]:
+        """One family per ``(name, doc, kv_cache key, kind)`` row whose key the stats have."""
+        cache = self.stats.kv_cache
+        for name, doc, key, kind in rows:
             if key in cache:
                 family = kind(name, doc, labels=["model_name"])
-                family.add_metric([label], cache[key])
+                family.add_metric([self.model_name], cache[key])
                 yield family
 
     def _kv_tiers(self) -> Iterator[Metric]:
         """Per tier under the KV pool (label ``medium``: CPU_TIER, DISK, SHARED), retention, and
         promotions/demotions; none without tiers (retention figures always)."""
-        cache, label = self.stats.kv_cache, self.model_name
-        for name, doc, key, kind in (
+        label = self.model_name
+        yield from self._kv_cache_families((
             ("prefixserve_kv_retained_blocks", "Block hashes retained now (soft priority).",
              "retained_blocks", GaugeMetricFamily),
             ("prefixserve_kv_retention_expiries", "Retentions that expired.",
@@ -138,11 +142,7 @@ class _EngineCollector(Collector):
              "tenant's share.", "retention_revoked", CounterMetricFamily),
             ("prefixserve_kv_retention_dropped", "Retained blocks that left the pool and every "
              "tier.", "retention_dropped", CounterMetricFamily),
-        ):  # fmt: skip
-            if key in cache:
-                family = kind(name, doc, labels=["model_name"])
-                family.add_metric([label], cache[key])
-                yield family
+        ))  # fmt: skip
         tiers = self.stats.kv_tiers
         if tiers is None:
             return
