@@ -33,10 +33,11 @@ from fastapi.responses import Response
 
 import prefixserve
 from prefixserve.api.anthropic.messages import MessagesServing
+from prefixserve.api.anthropic.protocol import anthropic_error
 from prefixserve.api.async_engine import AsyncEngine
 from prefixserve.api.dashboard import dashboard_router
 from prefixserve.api.frontend.auth import install_authentication
-from prefixserve.api.frontend.errors import install_error_handlers
+from prefixserve.api.frontend.errors import ErrorShapes, install_error_handlers
 from prefixserve.api.frontend.gate import Activity, Gate, drain
 from prefixserve.api.frontend.tenancy import Tenants, key_tenants
 from prefixserve.api.metrics import ServerMetrics
@@ -231,8 +232,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     activity = Activity()
     app.state.engine, app.state.config, app.state.tenants = engine, config, tenants
     app.state.activity, app.state.responses = activity, responses
-    install_error_handlers(app)
-    install_authentication(app, tenants, {"/health", *config.public_routes})
+    shapes = ErrorShapes((("/v1/messages", anthropic_error),))  # Anthropic's own error shape
+    install_error_handlers(app, shapes)
+    install_authentication(app, tenants, {"/health", *config.public_routes}, shapes)
     for router in (
         service_router(engine, names, completion.check_model),
         generation_router(chat, completion, responses, messages),
@@ -241,7 +243,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         tokenization_router(TokenizationServing(chat)),
     ):
         app.include_router(router)
-    app.add_middleware(Gate, max_body_bytes=config.max_request_body_bytes, activity=activity)
+    app.add_middleware(Gate, max_body_bytes=config.max_request_body_bytes, activity=activity,
+                       shapes=shapes)  # fmt: skip
     return app
 
 

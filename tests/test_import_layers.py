@@ -75,3 +75,14 @@ def test_the_walk_sees_imports():
     """The check above can fail: the scheduler's own imports are found and classified."""
     found = {layer_of(m) for m in imports_of(ROOT / "prefixserve" / "engine" / "scheduler.py")}
     assert {"core", "kv"} <= found
+
+
+@pytest.mark.parametrize("shared", ["frontend", "parsing"])
+def test_the_shared_api_halves_import_no_protocol(shared):
+    """api/frontend and api/parsing serve every protocol, so they import none of them (a protocol
+    front hands them what differs: its error shape, ``frontend.errors.ErrorShapes``)."""
+    protocols = ("prefixserve.api.openai", "prefixserve.api.anthropic")
+    bad = [f"{path.relative_to(ROOT)} imports {module}"
+           for path in sorted((ROOT / "api" / shared).rglob("*.py"))
+           for module in imports_of(path) if module.startswith(protocols)]  # fmt: skip
+    assert not bad, "\n".join(bad)

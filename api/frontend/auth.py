@@ -14,12 +14,14 @@ from collections.abc import Iterable
 
 from fastapi import FastAPI, Request
 
-from prefixserve.api.frontend.gate import error_response
+from prefixserve.api.frontend.errors import ErrorShapes
 from prefixserve.api.frontend.protocol import APIError
 from prefixserve.api.frontend.tenancy import Tenants
 
 
-def install_authentication(app: FastAPI, tenants: Tenants, public: Iterable[str]) -> None:
+def install_authentication(
+    app: FastAPI, tenants: Tenants, public: Iterable[str], shapes: ErrorShapes
+) -> None:
     public = frozenset(public)
 
     @app.middleware("http")
@@ -30,5 +32,5 @@ def install_authentication(app: FastAPI, tenants: Tenants, public: Iterable[str]
                 request.state.tenant = tenants.authenticate(headers.get("authorization"),
                                                             headers.get("x-api-key"))  # fmt: skip
             except APIError as exc:
-                return error_response(exc, request.url.path)
+                return shapes.response(exc, request.url.path)
         return await call_next(request)

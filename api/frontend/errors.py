@@ -1,4 +1,8 @@
-"""How every error the app raises becomes a protocol-shaped response (``install_error_handlers``).
+"""How every error the app raises becomes a protocol-shaped response.
+
+``ErrorShapes`` says which body a path's errors take: OpenAI's, or the shape a protocol front
+registers for its routes when the app is built (``api.server``: Anthropic's on /v1/messages and
+below), so this shared half never imports a protocol. ``install_error_handlers`` maps::
 
     APIError                     its status and body, OpenAI's shape (Anthropic's on /v1/messages)
     RequestValidationError       400 naming the first bad field (``param``)
@@ -14,43 +18,66 @@ connection.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from prefixserve.api.anthropic.protocol import is_messages_path
 from prefixserve.api.async_engine import EngineDeadError
-from prefixserve.api.frontend.gate import error_response
 from prefixserve.api.frontend.protocol import APIError, error_body
 from prefixserve.core.errors import CacheCapacityError, InvalidArgumentError
 
+Shape = Callable[[APIError], tuple[int, dict]]
 
-def install_error_handlers(app: FastAPI) -> None:
+
+@dataclass(frozen=True)
+class ErrorShapes:
+    """``routes``: a path, and everything below it, with the shape its errors take."""
+
+    routes: tuple[tuple[str, Shape], ...] = ()
+
+    def shape_of(self, path: str) -> Shape | None:
+        return next((s for p, s in self.routes if path == p or path.startswith(p + "/")), None)
+
+    def body(self, exc: APIError, path: str) -> tuple[int, dict]:
+        """``(status, body)`` of ``exc`` on ``path``."""
+        shape = self.shape_of(path)
+        return shape(exc) if shape is not None else (exc.status, exc.body())
+
+    def response(self, exc: APIError, path: str = "") -> JSONResponse:
+        status, body = self.body(exc, path)
+        return JSONResponse(body, status_code=status, headers=exc.headers)
+
+
+OPENAI_ONLY = ErrorShapes()
+
+
+def install_error_handlers(app: FastAPI, shapes: ErrorShapes) -> None:
     """Register the handlers of the module doc on ``app``."""
 
     async def on_api_error(request: Request, exc: APIError):
-        return error_response(exc, request.url.path)
+        return shapes.response(exc, request.url.path)
 
     async def on_validation(request: Request, exc: RequestValidationError):
         error = APIError(validation_message(exc), 400, validation_param(exc))
-        return error_response(error, request.url.path)
+        return shapes.response(error, request.url.path)
 
     async def on_engine_error(request: Request, exc: Exception):
-        return error_response(
-            APIError(str(exc), 400, getattr(exc, "param", None)), request.url.path
-        )
+        error = APIError(str(exc), 400, getattr(exc, "param", None))
+        return shapes.response(error, request.url.path)
 
     async def on_engine_dead(request: Request, exc: Exception):
-        return error_response(APIError(str(exc), 500), request.url.path)
+        return shapes.response(APIError(str(exc), 500), request.url.path)
 
     async def on_http(request: Request, exc: StarletteHTTPException):
+        path = request.url.path
         if exc.status_code == 400 and exc.__cause__ is not None:
-            return error_response(
-                APIError(body_error_message(exc.__cause__), 400), request.url.path
-            )
-        if is_messages_path(request.url.path):
-            return error_response(APIError(str(exc.detail), exc.status_code), request.url.path)
+            return shapes.response(APIError(body_error_message(exc.__cause__), 400), path)
+        if shapes.shape_of(path) is not None:
+            return shapes.response(APIError(str(exc.detail), exc.status_code), path)
         kind = "NotFoundError" if exc.status_code == 404 else "BadRequestError"
         return JSONResponse(error_body(str(exc.detail), kind, exc.status_code), exc.status_code)
 

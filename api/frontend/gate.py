@@ -22,31 +22,21 @@ import logging
 import time
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
 
-from prefixserve.api.anthropic.protocol import anthropic_error, is_messages_path
 from prefixserve.api.async_engine import RETRY_AFTER_SECONDS
+from prefixserve.api.frontend.errors import OPENAI_ONLY, ErrorShapes
 from prefixserve.api.frontend.protocol import APIError, internal_error
 
 logger = logging.getLogger(__name__)
 
 
-def error_response_body(exc: APIError, path: str) -> tuple[int, dict]:
-    """``(status, body)``: Anthropic's shape on the Messages routes, OpenAI's elsewhere."""
-    if is_messages_path(path):
-        return anthropic_error(exc)
-    return exc.status, exc.body()
-
-
-def error_response(exc: APIError, path: str = "") -> JSONResponse:
-    status, body = error_response_body(exc, path)
-    return JSONResponse(body, status_code=status, headers=exc.headers)
-
-
-async def _send_error(send, exc: APIError, path: str, prefix: str = "http") -> None:
-    """Answer a raw ASGI request with ``exc`` as a JSON error body (``prefix`` "websocket.http":
-    as the answer to a WebSocket handshake, ASGI's denial response)."""
-    status, content = error_response_body(exc, path)
+async def _send_error(
+    send, exc: APIError, path: str, prefix: str = "http", shapes: ErrorShapes = OPENAI_ONLY
+) -> None:
+    """Answer a raw ASGI request with ``exc`` as a JSON error body in ``path``'s shape
+    (``prefix`` "websocket.http": as the answer to a WebSocket handshake, ASGI's denial
+    response)."""
+    status, content = shapes.body(exc, path)
     body = json.dumps(content).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
@@ -89,10 +79,14 @@ class Gate:
     and replayed to the app; later ``receive`` calls go to the client, so disconnects still show.
     """
 
-    def __init__(self, app, max_body_bytes: int, activity: Activity) -> None:
+    def __init__(self, app, max_body_bytes: int, activity: Activity, shapes: ErrorShapes) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.activity = activity
+        self.shapes = shapes
+
+    async def _refuse(self, send, exc: APIError, path: str, prefix: str = "http") -> None:
+        await _send_error(send, exc, path, prefix, self.shapes)
 
     def _too_large(self) -> APIError:
         return APIError(
@@ -105,7 +99,7 @@ class Gate:
         if scope["type"] == "websocket" and self.activity.draining:
             await receive()  # the connect message
             if "websocket.http.response" in scope.get("extensions", {}):
-                await _send_error(send, self.activity.refusal(), scope["path"], "websocket.http")
+                await self._refuse(send, self.activity.refusal(), scope["path"], "websocket.http")
             else:
                 await send({"type": "websocket.close", "code": 1013, "reason": "shutting down"})
             return
@@ -113,11 +107,11 @@ class Gate:
             await self.app(scope, receive, send)
             return
         if self.activity.draining and scope["path"] != "/metrics":
-            await _send_error(send, self.activity.refusal(), scope["path"])
+            await self._refuse(send, self.activity.refusal(), scope["path"])
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await _send_error(send, self._too_large(), scope["path"])
+            await self._refuse(send, self._too_large(), scope["path"])
             return
         chunks, size = [], 0
         while True:
@@ -127,7 +121,7 @@ class Gate:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_body_bytes:
-                await _send_error(send, self._too_large(), scope["path"])
+                await self._refuse(send, self._too_large(), scope["path"])
                 return
             if not message.get("more_body", False):
                 break
@@ -154,10 +148,9 @@ class Gate:
             if started:
                 raise  # the response is under way: nothing can be answered any more
             logger.exception("unexpected error on %s", scope["path"], exc_info=exc)
-            await _send_error(send, internal_error(exc), scope["path"])
+            await self._refuse(send, internal_error(exc), scope["path"])
         finally:
             self.activity.in_flight -= 1
-
 
 
 async def drain(app: FastAPI, grace_seconds: float) -> None:
