@@ -44,6 +44,10 @@ namespace {
 constexpr int64_t kLanes = 16;
 constexpr int64_t kBlock = 32;   // inputs per weight group and per activation block
 constexpr int kMaxRows = 8;      // rows of x held in registers at once
+// How far ahead of its loads a tile asks for weight lines (into the next blocks, which the same
+// thread takes next): the hardware prefetcher alone falls behind when a tile of several rows
+// spends longer on each line.
+constexpr int64_t kPrefetchBytes = 4096;
 
 // Each row of x, quantized once per call: codes [M, K], and per block (m, g) its scale d, the
 // sum of its codes Q, and d * float(Q) (what an int4 shift multiplies).
@@ -346,6 +350,7 @@ at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       const uint8_t* wg = wb + g * kBlock * kLanes;
 #pragma GCC unroll 8
       for (int j = 0; j < kBlock / 4; ++j) {
+        __builtin_prefetch(wg + j * 4 * kLanes + kPrefetchBytes);
         const W wv = load_int8(wg + j * 4 * kLanes);
 #pragma GCC unroll 8
         for (int i = 0; i < kRows; ++i) {
@@ -387,6 +392,7 @@ at::Tensor linear_w4a8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 #pragma GCC unroll 4
       for (int j = 0; j < kBlock / 8; ++j) {
         W lo, hi;
+        __builtin_prefetch(wg + j * 4 * kLanes + kPrefetchBytes);
         load_int4(wg + j * 4 * kLanes, lo, hi);
 #pragma GCC unroll 8
         for (int i = 0; i < kRows; ++i) {
