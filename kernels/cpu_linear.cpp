@@ -226,6 +226,7 @@ struct Problem {
 // ``finish(b, m0, mt, rows)`` computes the outputs of rows [m0, m0 + mt) of x in block b.
 template <class Rows, class Unpack, class Finish>
 void for_each_block(const Problem& p, int64_t nb, Rows rows, Unpack unpack, Finish finish) {
+  if (p.M == 0) return;  // no rows: nothing to write (a tile needs at least one)
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (p.K * kLanes));
   at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
     std::vector<float> scratch;

@@ -1,5 +1,6 @@
-"""The CPU kernels written in C++ here (``cpu_linear.cpp``: linear layers; ``cpu_attention.cpp``:
-paged attention), registered as torch ops ``torch.ops.prefixserve_cpu.*``.
+"""The CPU kernels written in C++ here (``cpu_linear.cpp``: linear layers on float activations;
+``cpu_qlinear.cpp``: int8 / int4 linear layers on int8 activations; ``cpu_attention.cpp``: paged
+attention), registered as torch ops ``torch.ops.prefixserve_cpu.*``.
 
 ``available()`` builds them on first use with the machine's own compiler
 (``torch.utils.cpp_extension``: ``-O3 -march=native -ffp-contract=off``, OpenMP through the
@@ -26,7 +27,7 @@ import xxhash
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).resolve().parent
-_SOURCES = [_HERE / "cpu_linear.cpp", _HERE / "cpu_attention.cpp"]
+_SOURCES = [_HERE / "cpu_linear.cpp", _HERE / "cpu_qlinear.cpp", _HERE / "cpu_attention.cpp"]
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 
 
@@ -70,6 +71,14 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake(lib + "linear_int4")
     def _(x, w, scales, shifts, group, bias, n):
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake(lib + "linear_w8a8")
+    def _(x, w, scales, bias, n):
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake(lib + "linear_w4a8")
+    def _(x, w, scales, shifts, bias, n):
         return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake(lib + "paged_attention")

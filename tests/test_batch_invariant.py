@@ -41,6 +41,21 @@ def test_a_request_is_bit_identical_alone_and_in_any_batch(tmp_path, arch, enfor
         assert _probe(llm, _others(size, seed=size)) == alone, size
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_quantized_weights_on_int8_activations_are_batch_invariant(tmp_path, arch, quantization):
+    """The integer kernels quantize each row on its own and sum in integers: a request's bits do
+    not depend on its batch either (compiled; the vocabulary and MoE experts included)."""
+    folder = make_checkpoint(arch, tmp_path / arch, seed=12)
+    llm = LLM(str(folder), enforce_eager=False, enable_prefix_caching=False,
+              quantization=quantization, **ENGINE)  # fmt: skip
+    kernels = {type(m).__name__ for m in llm.llm_engine.runner.model.modules()}
+    assert f"PackedW{quantization[-1]}A8" in kernels
+    alone = _probe(llm, [])
+    for size in (2, 5, 8):
+        assert _probe(llm, _others(size, seed=size)) == alone, size
+
+
 def test_a_cached_prefix_gives_the_same_bits(tmp_path):
     folder = make_checkpoint("qwen2", tmp_path / "qwen2", seed=10)
     llm = LLM(str(folder), **ENGINE)

@@ -99,15 +99,30 @@ def test_find_binary_prefers_the_cache_dir_and_says_how_to_build(tmp_path, monke
     assert peer.find_binary("llama-server") is None
     with pytest.raises(peer.PeerUnavailable, match=r"build_llama_server\.sh"):
         peer.require_binary("llama-server")
-    built = _fake_binary(tmp_path / "cache" / "build" / "bin", "llama-server", "exit 0\n")
+    built = _fake_binary(peer.bin_dir(), "llama-server", "exit 0\n")
     assert peer.find_binary("llama-server") == built
+    assert peer.find_binary("llama-server", "portable") is None  # each build its own folder
+    with pytest.raises(peer.PeerUnavailable, match=r"LLAMA_CPP_BUILD=portable"):
+        peer.require_binary("llama-server", "portable")
+
+
+def test_the_native_build_is_keyed_by_the_cpus_flags(tmp_path, monkeypatch) -> None:
+    """Native: ``build-native-<digest of the flags>``, so a cache shared with a machine with
+    other features never runs a binary built for this one; portable: one folder."""
+    monkeypatch.setenv("PREFIXSERVE_LLAMA_CPP_DIR", str(tmp_path / "cache"))
+    native, portable = peer.bin_dir("native"), peer.bin_dir("portable")
+    assert portable == tmp_path / "cache" / "build-portable" / "bin"
+    assert native.parent.parent == tmp_path / "cache"
+    assert native.parent.name.startswith("build-native-") and len(native.parent.name) == 25
+    with pytest.raises(ValueError, match=r"unknown llama\.cpp build"):
+        peer.bin_dir("fast")
 
 
 def test_gguf_of_type_runs_llama_quantize_once_and_caches(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PREFIXSERVE_LLAMA_CPP_DIR", str(tmp_path / "cache"))
     calls = tmp_path / "calls"
     # a stand-in llama-quantize: records its arguments, copies the input to the output
-    _fake_binary(tmp_path / "cache" / "build" / "bin", "llama-quantize",
+    _fake_binary(peer.bin_dir(), "llama-quantize",
                  f'echo "$@" >> {calls}\ncp "$2" "$3"\n')  # fmt: skip
     source = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
     source.write_bytes(b"GGUF")
@@ -124,7 +139,7 @@ def test_gguf_of_type_runs_llama_quantize_once_and_caches(tmp_path, monkeypatch)
 
 def test_gguf_of_type_reports_a_failing_quantize(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PREFIXSERVE_LLAMA_CPP_DIR", str(tmp_path / "cache"))
-    _fake_binary(tmp_path / "cache" / "build" / "bin", "llama-quantize", "echo bad >&2\nexit 3\n")
+    _fake_binary(peer.bin_dir(), "llama-quantize", "echo bad >&2\nexit 3\n")
     source = tmp_path / "m.Q4_1.gguf"
     source.write_bytes(b"GGUF")
     with pytest.raises(RuntimeError, match="bad"):
@@ -199,7 +214,7 @@ def test_speculative_peer_status_reads_the_builds_help(tmp_path, monkeypatch) ->
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     binary, status = speculative.peer_status()
     assert binary is None and "not built" in status
-    bin_dir = tmp_path / "cache" / "build" / "bin"
+    bin_dir = peer.bin_dir()
     _fake_binary(bin_dir, "llama-server", "echo '--spec-type none,draft-simple'\n")
     binary, status = speculative.peer_status()
     assert binary == str(bin_dir / "llama-server") and "no n-gram speculation" in status

@@ -60,6 +60,19 @@ def test_greedy_with_caching_chunking_and_preemption_equals_eager(engines):
     assert stats.num_preemptions > 0 and stats.kv_cache["prefix_cache_hits"] > 0
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_quantized_weights_on_int8_activations_equal_eager(tmp_path, arch, quantization):
+    """The integer kernels (activations quantized inside the op) in a compiled graph: the same
+    bits as eager, the vocabulary matrix and MoE experts included."""
+    folder = make_checkpoint(arch, tmp_path / arch, seed=4)
+    compiled, eager = _pair(folder, quantization=quantization)
+    kernels = {type(m).__name__ for m in compiled.llm_engine.runner.model.modules()}
+    assert {"PackedW8A8", f"PackedW{quantization[-1]}A8"} <= kernels
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2, ignore_eos=True)
+    _assert_same(compiled, eager, _prompts(), params)
+
+
 def test_forked_samples_and_grammars_equal_eager(engines):
     compiled, eager = engines
     forks = SamplingParams(n=3, max_tokens=12, temperature=0.8, seed=7, ignore_eos=True)

@@ -44,3 +44,10 @@ def test_a_compressed_host_tier_needs_its_size() -> None:
     with pytest.raises(InvalidArgumentError, match="set kv_offloading_size"):
         EngineConfig(kv_offloading_dtype="int8")
     assert EngineConfig(kv_offloading_size=1, kv_offloading_dtype="fp8").has_kv_tiers
+
+
+def test_activation_quantization_is_int8_or_none() -> None:
+    assert EngineConfig().activation_quantization == "int8"
+    assert EngineConfig(activation_quantization=None).activation_quantization is None
+    with pytest.raises(InvalidArgumentError, match="activation_quantization"):
+        EngineConfig(activation_quantization="fp8")

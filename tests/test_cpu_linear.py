@@ -62,6 +62,14 @@ def test_a_row_is_bit_identical_alone_and_in_any_batch(scheme, m):
     assert torch.equal(_run(scheme, x[shuffled], w, b)[0], batch[shuffled])
 
 
+@pytest.mark.parametrize("scheme", ["f32", "int8", "int4"])
+def test_no_rows_give_an_empty_result(scheme):
+    """A step can ask for no rows (a prefill chunk none of whose logits are wanted)."""
+    w = torch.randn(40, 64, generator=_gen(3))
+    y, _ = _run(scheme, torch.empty(0, 64), w, None)
+    assert y.shape == (0, 40)
+
+
 def test_block_rows_reads_back_the_packed_rows():
     w = torch.randn(37, 64, generator=_gen(0))
     index = torch.tensor([0, 15, 16, 36, 3, 3])

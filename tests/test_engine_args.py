@@ -58,3 +58,11 @@ def test_kv_tier_flags_reach_the_engine_config() -> None:
     assert config.kv_shared_url == "redis://127.0.0.1:6379" and config.has_kv_tiers
     assert config.kv_retention_budget == 0.25 and config.kv_retention_max_ttl_s == 600
     assert config.kv_retention_learn_ttl is False and config.kv_retention_max_sessions == 8
+
+
+def test_activation_quantization_defaults_to_int8_and_none_keeps_float() -> None:
+    assert EngineConfig(**engine_kwargs(_parse())).activation_quantization == "int8"
+    off = engine_kwargs(_parse("--quantization", "int4", "--activation-quantization", "none"))
+    assert off["activation_quantization"] is None and off["quantization"] == "int4"
+    with pytest.raises(SystemExit):
+        _parse("--activation-quantization", "int4")

@@ -12,13 +12,20 @@ from checkpoints import greedy_logprob_error, load_hf_model, make_checkpoint
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from gguf_files import write_gguf
+from quant_reference import LOGPROB_ATOL_INT8_ACTIVATIONS, rounded_activations
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.core.errors import ModelLoadError, UnsupportedModelError
 from prefixserve.models.builtin import builtin_tokenizer
 from prefixserve.models.gguf_blocks import read_int4, read_int8
 from prefixserve.models.gguf_loader import GGUFCheckpoint, gguf_tokenizer
-from prefixserve.models.linear import LinearKernel, PackedInt4, PackedInt8
+from prefixserve.models.linear import (
+    LinearKernel,
+    PackedInt4,
+    PackedInt8,
+    PackedW4A8,
+    PackedW8A8,
+)
 
 MIXED = {  # every kept scheme and an unfused F32 layer (o_proj)
     "attn_q": Q.Q4_0,
@@ -81,8 +88,11 @@ def test_q8_0_blocks_decode_as_gguf_dequantizes():
     np.testing.assert_array_equal(w.dequantize().numpy(), dequantize(data, Q.Q8_0))
 
 
+QUANTIZED = (PackedInt4, PackedInt8, PackedW4A8, PackedW8A8)
+
+
 def _quantized_kernels(model: torch.nn.Module) -> list[LinearKernel]:
-    return [m for m in model.modules() if isinstance(m, (PackedInt4, PackedInt8))]
+    return [m for m in model.modules() if isinstance(m, QUANTIZED)]
 
 
 def test_float_gguf_equals_transformers_gguf_loader(files):
@@ -111,22 +121,37 @@ def test_kept_types_map_to_their_schemes_with_the_files_values(files):
 
 
 def test_kept_quantized_gguf_equals_transformers_gguf_loader(files):
-    """Kept quantized, the kernels multiply by the file's values: transformers' dequantized
-    load of the same file is the reference as it is."""
-    llm = LLM(str(files["mixed"]), num_kv_blocks=32)
+    """Kept quantized, the kernels multiply float activations by the file's values:
+    transformers' dequantized load of the same file is the reference as it is."""
+    llm = LLM(str(files["mixed"]), num_kv_blocks=32, activation_quantization=None)
     layer = llm.llm_engine.runner.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj.kernel, PackedInt4)
     assert isinstance(layer.mlp.gate_up_proj.kernel, PackedInt4)
     assert isinstance(layer.mlp.down_proj.kernel, PackedInt8)
-    assert not isinstance(layer.self_attn.o_proj.kernel, (PackedInt4, PackedInt8))  # F32 in the file
+    assert not isinstance(layer.self_attn.o_proj.kernel, QUANTIZED)  # F32 in the file
     _check_greedy(llm, _hf_gguf(files["mixed"]), atol=1e-4)
+
+
+def test_kept_quantized_gguf_on_int8_activations(files):
+    """By default the file's int4 and int8 matrices run the integer kernels, on the file's
+    values: transformers with those matrices' inputs rounded as the kernels round them."""
+    llm = LLM(str(files["mixed"]), num_kv_blocks=32)
+    layer = llm.llm_engine.runner.model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj.kernel, PackedW4A8)
+    assert isinstance(layer.mlp.down_proj.kernel, PackedW8A8)
+    hf = _hf_gguf(files["mixed"])
+    rounded = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj")  # not F32 o_proj
+    for name, module in hf.named_modules():
+        if name.rpartition(".")[2] in rounded:
+            module.register_forward_pre_hook(lambda _, args: (rounded_activations(args[0]),))
+    _check_greedy(llm, hf, atol=LOGPROB_ATOL_INT8_ACTIVATIONS)
 
 
 def test_quantization_flag_overrides_the_files_types(files):
     llm = LLM(str(files["mixed"]), num_kv_blocks=16, quantization="int8")
     layer = llm.llm_engine.runner.model.model.layers[0]
     assert all(
-        isinstance(m.kernel, PackedInt8)
+        isinstance(m.kernel, PackedW8A8)
         for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj)
     )
 
@@ -181,7 +206,7 @@ def test_qwen_gguf_equals_the_checkpoint_it_was_written_from(tmp_path, arch):
                 w.copy_(torch.from_numpy(dequantize(quantize(w.numpy(), kind), kind)))
     _check_greedy(llm, hf, atol=1e-4)
     kept = LLM(str(path), num_kv_blocks=16).llm_engine.runner.model.model.layers[0]
-    assert isinstance(kept.self_attn.qkv_proj.kernel, PackedInt4)
+    assert isinstance(kept.self_attn.qkv_proj.kernel, PackedW4A8)
 
 
 def test_serve_a_gguf_file_over_http(tmp_path):

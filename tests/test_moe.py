@@ -12,7 +12,11 @@ import pytest
 import torch
 import transformers
 from checkpoints import greedy_logprob_error, load_hf_model, make_checkpoint
-from quant_reference import dequantized_reference
+from quant_reference import (
+    LOGPROB_ATOL_INT8_ACTIVATIONS,
+    dequantized_reference,
+    int8_activations,
+)
 from safetensors.torch import load_file, save_file
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_moe
 
@@ -218,15 +222,24 @@ def test_forked_and_preempted_sampling_on_moe(moe_folder):
     assert tight.cache_stats()["used_blocks"] == 0
 
 
+@pytest.mark.parametrize("activations", ["int8", None])
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantized_experts_equal_transformers_on_their_dequantized_weights(moe_folder, method):
-    """``--quantization`` reaches the experts (one kernel per expert matrix) and the model
-    still matches transformers run on the same dequantized weights."""
-    llm = LLM(str(moe_folder), num_kv_blocks=64, quantization=method)
+def test_quantized_experts_equal_transformers_on_their_dequantized_weights(
+    moe_folder, method, activations
+):
+    """``--quantization`` reaches the experts (one kernel per expert matrix, on int8 or float
+    activations) and the model still matches transformers run on the same dequantized weights
+    (and the same rounded activations: ``quant_reference``)."""
+    llm = LLM(str(moe_folder), num_kv_blocks=64, quantization=method,
+              activation_quantization=activations)  # fmt: skip
     block = llm.llm_engine.runner.model.model.layers[0].mlp
     assert block.experts.gate_up_proj is None and len(block.experts.kernels_gate_up) == 8
-    assert type(block.experts.kernels_down[0]).__name__ == f"PackedInt{method[-1]}"
+    kernel = f"PackedW{method[-1]}A8" if activations else f"PackedInt{method[-1]}"
+    assert type(block.experts.kernels_down[0]).__name__ == kernel
     hf = dequantized_reference(load_hf_model(moe_folder), method)
+    if activations:
+        hf = int8_activations(hf)
     prompts = [list(range(5, 30)), [7, 1, 99, 42]]
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True)
-    assert greedy_logprob_error(llm, hf, prompts, params) < 1e-4
+    worst = greedy_logprob_error(llm, hf, prompts, params)
+    assert worst < (1e-4 if activations is None else LOGPROB_ATOL_INT8_ACTIVATIONS), worst

@@ -1,29 +1,38 @@
 """``LLM(quantization=...)`` against transformers running the same dequantized weights
-(``quant_reference``): the kernels multiply by exactly those weights and keep activations in
-float32, so greedy tokens are equal and logprobs within ``LOGPROB_ATOL`` (summation order)."""
+(``quant_reference``): the kernels multiply by exactly those weights, on float32 activations or on
+activations rounded to int8 as the reference rounds them, so greedy tokens are equal and logprobs
+within ``LOGPROB_ATOL`` (summation order)."""
 
 from __future__ import annotations
 
 import pytest
 from checkpoints import greedy_logprob_error, load_hf_model, make_checkpoint
-from quant_reference import dequantized_reference
+from quant_reference import (
+    LOGPROB_ATOL_INT8_ACTIVATIONS,
+    dequantized_reference,
+    int8_activations,
+)
 
 from prefixserve import LLM, SamplingParams
 
 LOGPROB_ATOL = 1e-4
 
 
+@pytest.mark.parametrize("activations", ["int8", None])
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_greedy_equals_transformers_on_dequantized_weights(tmp_path, arch, method):
+def test_greedy_equals_transformers_on_dequantized_weights(tmp_path, arch, method, activations):
     folder = make_checkpoint(arch, tmp_path / arch)
     hf = dequantized_reference(load_hf_model(folder), method)
-    llm = LLM(str(folder), quantization=method, num_kv_blocks=64)
+    if activations == "int8":
+        hf = int8_activations(hf)
+    llm = LLM(str(folder), quantization=method, num_kv_blocks=64,
+              activation_quantization=activations)  # fmt: skip
     prompts = [[5, 17, 99, 3, 250, 41, 7], list(range(40, 73))]
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True)
     worst = greedy_logprob_error(llm, hf, prompts, params)
-    print(f"{arch} {method}: max |logprob - reference| = {worst:.2e}")
-    assert worst < LOGPROB_ATOL, worst
+    print(f"{arch} {method} {activations}: max |logprob - reference| = {worst:.2e}")
+    assert worst < (LOGPROB_ATOL if activations is None else LOGPROB_ATOL_INT8_ACTIVATIONS), worst
 
 
 def test_quantized_model_differs_from_float_but_not_by_much(tmp_path):

@@ -29,6 +29,7 @@ VARIANTS = {
     "compiled": {"enforce_eager": False},
     "eager": {"enforce_eager": True},
     "batch-invariant": {"enforce_eager": False, "batch_invariant": True},
+    "float-activations": {"enforce_eager": False, "activation_quantization": None},
 }
 PHASES = ("schedule", "prepare", "forward", "sample", "output")
 

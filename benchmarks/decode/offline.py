@@ -2,8 +2,8 @@
 memory and weight bytes.
 
     python benchmarks/decode offline [--model smollm2] [--schemes float32 int8 int4 gguf]
-        [--variants compiled eager batch-invariant] [--streams 1 8] [--max-tokens 64]
-        [--rounds 5] [--threads 2]
+        [--variants compiled eager batch-invariant float-activations] [--streams 1 8]
+        [--max-tokens 64] [--rounds 5] [--threads 2]
 
 Workload: ``common.decode_rate``: N streams (``--streams``) with distinct 32-token prompts, greedy,
 EOS ignored, ``--max-tokens`` tokens each, admitted at once into ``LLM``'s engine; tokens/s over
@@ -11,7 +11,9 @@ the decode-only steps. Every (scheme, variant) engine lives in this process and 
 within each of ``--rounds`` rounds, so a busy minute hits all of them; reported: the median round.
 Schemes: ``float32`` (the GGUF dequantized), ``int8`` / ``int4`` (``--quantization``), ``gguf``
 (the file's types kept). Variants: ``compiled`` (the default engine), ``eager``
-(``--enforce-eager``), ``batch-invariant`` (``--batch-invariant``: its cost).
+(``--enforce-eager``), ``batch-invariant`` (``--batch-invariant``: its cost),
+``float-activations`` (``--activation-quantization none``: int8 / int4 weights times float32
+activations, the cost of the integer path's absence).
 
 Memory and compile time come first, each (scheme, variant) in a fresh process: the seconds each
 compiled bucket took (``EngineStats.decode_replay``), the resident memory once loaded and after a

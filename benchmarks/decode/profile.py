@@ -30,6 +30,8 @@ CATEGORIES = {
     "prefixserve_cpu::linear_f32": "linear kernels",
     "prefixserve_cpu::linear_int8": "linear kernels",
     "prefixserve_cpu::linear_int4": "linear kernels",
+    "prefixserve_cpu::linear_w8a8": "linear kernels",
+    "prefixserve_cpu::linear_w4a8": "linear kernels",
     "prefixserve_cpu::paged_attention": "attention kernel",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention kernel",
     "prefixserve::step_attention": "attention op (Python around the kernel)",

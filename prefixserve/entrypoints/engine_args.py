@@ -74,7 +74,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--quantization",
         choices=["int8", "int4"],
         default=None,
-        help="weight-only quantization of the linear layers (int8 per channel, int4 group 32)",
+        help="weight-only quantization of the linear layers (int8 or int4, groups of 32)",
+    )
+    p.add_argument(
+        "--activation-quantization",
+        choices=["int8", "none"],
+        default="int8",
+        help="how CPU kernels multiply int8/int4 weights: int8 quantizes each activation row in "
+        "blocks of 32 and sums in integers (default); none keeps activations in float32",
     )
     p.add_argument(
         "--gguf-dequantize",
@@ -225,6 +232,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         compile_cache_dir=args.compile_cache_dir,
         batch_invariant=args.batch_invariant,
         quantization=args.quantization,
+        activation_quantization=None if args.activation_quantization == "none" else "int8",
         gguf_dequantize=args.gguf_dequantize,
         seed=args.seed,
         kv_events_endpoint=args.kv_events_endpoint,

@@ -8,14 +8,17 @@ float weight wherever the kernel keeps its own form, so memory holds each matrix
 
     device          weights                 kernel          holds
     cpu (float32)   float                   PackedFloat     [N/16, K, 16] float32
-    cpu (float32)   int8 / int4             PackedInt8/4    codes, float16 group scales (shifts)
+    cpu (float32)   int8 / int4, int8 acts  PackedW8A8/W4A8 codes, float16 group scales (shifts)
+    cpu (float32)   int8 / int4, float acts PackedInt8/4    codes, float16 group scales (shifts)
     cuda            float                   Dense           the weight (F.linear)
     cuda            int4                    TritonInt4      codes [N, K/2], scales, shifts
     elsewhere       int8 / int4             Portable        the codes, dequantized at each call
 
-The CPU kernels are ``prefixserve.kernels.cpu_linear`` (built by ``cpu_ops``; one family for every row count: a row's
-result is bit-identical alone or in any batch); where they cannot be built, CPU weights take the
-Dense and Portable kernels. Before ``finalize_linears`` a ``Linear`` multiplies by its float
+The CPU kernels are ``prefixserve.kernels.cpu_linear`` (float activations) and ``cpu_qlinear``
+(``activations="int8"``: each activation row quantized to int8 in blocks of 32, integer dot
+products), built by ``cpu_ops``; one family for every row count: a row's result is bit-identical
+alone or in any batch. Where they cannot be built, CPU weights take the Dense and Portable
+kernels. Before ``finalize_linears`` a ``Linear`` multiplies by its float
 weight (models built by hand in tests).
 
 Which matrices are quantized (``quantization`` int8 / int4): the decoder layers' linears in the
@@ -36,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixserve.kernels import cpu_linear, cpu_ops
+from prefixserve.kernels import cpu_linear, cpu_ops, cpu_qlinear
 from prefixserve.models.quantization import (
     GROUP_SIZE,
     QUANTIZATION_METHODS,
@@ -155,6 +158,59 @@ class PackedInt4(LinearKernel):
         return (codes.unflatten(-1, (-1, self.group_size)) * scales + shifts).flatten(-2)
 
 
+def _group_values(codes: torch.Tensor, scales: torch.Tensor, shifts=None) -> torch.Tensor:
+    """Codes ``[T, K]`` times their group's scale (plus shift), groups of ``K / scales.shape[-1]``."""
+    w = codes.float().unflatten(-1, (scales.shape[-1], -1)) * scales.float()[..., None]
+    return (w if shifts is None else w + shifts.float()[..., None]).flatten(-2)
+
+
+class PackedW8A8(LinearKernel):
+    """An ``Int8Weight`` (groups of 32) in ``cpu_qlinear``'s layout, multiplied on activations
+    quantized to int8 in blocks of 32."""
+
+    def __init__(self, weight: Int8Weight) -> None:
+        super().__init__(*weight.shape, torch.float32)
+        codes, scales = cpu_qlinear.pack_w8a8(weight.qweight, weight.scales)
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+
+    def forward(self, x, bias):
+        n = self.out_features
+        return self._flat(
+            x, lambda x2: cpu_qlinear.linear_w8a8(x2, self.codes, self.scales, bias, n)
+        )
+
+    def rows(self, index):
+        flat = index.flatten()
+        codes = cpu_qlinear.w8a8_rows(self.codes, flat)
+        values = _group_values(codes, cpu_linear.block_rows(self.scales, flat))
+        return values.view(*index.shape, -1)
+
+
+class PackedW4A8(LinearKernel):
+    """An ``Int4Weight`` (groups of 32) in ``cpu_qlinear``'s layout, multiplied on activations
+    quantized to int8 in blocks of 32."""
+
+    def __init__(self, weight: Int4Weight) -> None:
+        super().__init__(*weight.shape, torch.float32)
+        packed = cpu_qlinear.pack_w4a8(weight.qvalues, weight.scales, weight.shifts)
+        for name, t in zip(("codes", "scales", "shifts"), packed):
+            self.register_buffer(name, t)
+
+    def forward(self, x, bias):
+        n = self.out_features
+        return self._flat(
+            x,
+            lambda x2: cpu_qlinear.linear_w4a8(x2, self.codes, self.scales, self.shifts, bias, n),
+        )
+
+    def rows(self, index):
+        flat = index.flatten()
+        codes = cpu_qlinear.w4a8_rows(self.codes, flat)
+        scales, shifts = (cpu_linear.block_rows(t, flat) for t in (self.scales, self.shifts))
+        return _group_values(codes, scales, shifts).view(*index.shape, -1)
+
+
 class Portable(LinearKernel):
     """A quantized weight held as its codes and parameters and dequantized, in the model dtype,
     at every call: correct anywhere, fast nowhere."""
@@ -207,7 +263,8 @@ class TritonInt4(LinearKernel):
         return (w + self.shifts[index][..., None]).flatten(-2)
 
 
-PACKED_KERNELS = (PackedFloat, PackedInt8, PackedInt4)  # cpu_linear's: batch-invariant
+# cpu_linear's and cpu_qlinear's: batch-invariant
+PACKED_KERNELS = (PackedFloat, PackedInt8, PackedInt4, PackedW8A8, PackedW4A8)
 
 
 class Linear(nn.Module):
@@ -244,14 +301,21 @@ def cpu_kernels_apply(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and cpu_ops.available()
 
 
-def make_kernel(weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> LinearKernel:
-    """The kernel for ``weight`` (already on its device) in a model of ``dtype``."""
+def make_kernel(
+    weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype, activations: str | None = None
+) -> LinearKernel:
+    """The kernel for ``weight`` (already on its device) in a model of ``dtype``; on CPU a
+    quantized weight in groups of 32 is multiplied on int8 activations where ``activations`` is
+    "int8" (``PackedW8A8`` / ``PackedW4A8``), else on float activations."""
     device = weight.device if isinstance(weight, torch.Tensor) else _device_of(weight)
     cpu = cpu_kernels_apply(device, dtype)
     if isinstance(weight, torch.Tensor):
         return PackedFloat(weight) if cpu else Dense(weight)
+    int8 = isinstance(weight, Int8Weight)
+    if cpu and activations == "int8" and weight.group_size == cpu_qlinear.BLOCK:
+        return PackedW8A8(weight) if int8 else PackedW4A8(weight)
     if cpu:
-        return PackedInt8(weight) if isinstance(weight, Int8Weight) else PackedInt4(weight)
+        return PackedInt8(weight) if int8 else PackedInt4(weight)
     if device.type == "cuda" and isinstance(weight, Int4Weight):
         return TritonInt4(weight, dtype)
     return Portable(weight, dtype)
@@ -266,6 +330,7 @@ def finalize_linears(
     method: str | None,
     prequantized: Mapping[str, QuantizedWeight] | None = None,
     source_names: Callable[[str], list[str]] | None = None,
+    activations: str | None = None,
 ) -> dict[str, str]:
     """Give every ``Linear`` of ``model`` its kernel (see the module docstring); returns
     {module name: scheme} of the quantized ones.
@@ -273,7 +338,8 @@ def finalize_linears(
     ``prequantized`` maps Hugging Face weight names to quantized weights (a GGUF file's); a
     module whose parts (``source_names(module name)``) are all there, in one scheme, uses them
     stacked unless ``method`` asks for another scheme. Other decoder-layer linears are quantized
-    by ``method``, the vocabulary matrix by ``VOCAB_SCHEME`` when ``method`` is set.
+    by ``method``, the vocabulary matrix by ``VOCAB_SCHEME`` when ``method`` is set. Quantized
+    matrices are multiplied on ``activations`` (``make_kernel``).
     """
     if method is not None and method not in QUANTIZATION_METHODS:
         quantize(torch.empty(0, 0), method)  # raises the one error message for a bad method
@@ -292,7 +358,8 @@ def finalize_linears(
         if chosen is not None:
             done[name] = scheme_of(chosen)
             chosen = chosen.to(weight.device)
-        module.set_kernel(make_kernel(chosen if chosen is not None else weight, weight.dtype))
+        held = chosen if chosen is not None else weight
+        module.set_kernel(make_kernel(held, weight.dtype, activations))
     return done
 
 

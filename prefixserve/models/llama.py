@@ -348,13 +348,20 @@ class LlamaForCausalLM(nn.Module):
         """``[n, hidden]`` -> ``[n, vocab]`` float32."""
         return self.vocab_head(hidden_states).float()
 
-    def finalize(self, quantization: str | None, prequantized=None) -> dict[str, str]:
+    def finalize(
+        self, quantization: str | None, prequantized=None, activations: str | None = None
+    ) -> dict[str, str]:
         """Choose every linear's kernel once the weights are loaded (``linear.finalize_linears``):
-        quantized by ``quantization`` or as ``prequantized`` gives them; returns {module:
-        scheme} of the quantized ones. The float weights the kernels replace are dropped."""
-        done = finalize_linears(self, quantization, prequantized, self.source_weight_names)
+        quantized by ``quantization`` or as ``prequantized`` gives them, multiplied on int8
+        activations where ``activations`` is "int8"; returns {module: scheme} of the quantized
+        ones. The float weights the kernels replace are dropped."""
+        done = finalize_linears(
+            self, quantization, prequantized, self.source_weight_names, activations
+        )
         for name, module in self.named_modules():
-            if isinstance(module, SparseMoeBlock) and (scheme := module.finalize(quantization)):
+            if isinstance(module, SparseMoeBlock) and (
+                scheme := module.finalize(quantization, activations)
+            ):
                 done[f"{name}.experts"] = scheme
         return done
 

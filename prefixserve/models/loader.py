@@ -44,13 +44,15 @@ def load_model(
     attn_backend: AttentionBackend,
     revision: str | None = None,
     quantization: str | None = None,
+    activation_quantization: str | None = None,
     gguf_dequantize: bool = False,
 ) -> tuple[LlamaForCausalLM, ModelConfig, str]:
     """Build and load ``model`` (None: the built-in model); return (model, config, name).
 
     Once loaded every matrix gets its kernel (``LlamaForCausalLM.finalize``): ``quantization``
     (int8 / int4) quantizes the decoder's linears (and the vocabulary in int8); a GGUF file keeps
-    its quantized matrices in their closest scheme unless ``gguf_dequantize``."""
+    its quantized matrices in their closest scheme unless ``gguf_dequantize``; the CPU kernels
+    multiply quantized matrices on int8 activations where ``activation_quantization`` is "int8"."""
     gguf = None
     if model is None or model == BUILTIN_MODEL_NAME:
         config, weights, name = (
@@ -69,7 +71,8 @@ def load_model(
     with _default_dtype(torch_dtype), torch.device(device):
         llm = LlamaForCausalLM(config, attn_backend)
     llm.load_weights(weights)
-    schemes = llm.finalize(quantization, gguf.prequantized if gguf is not None else None)
+    prequantized = gguf.prequantized if gguf is not None else None
+    schemes = llm.finalize(quantization, prequantized, activation_quantization)
     if schemes:
         counts = {s: list(schemes.values()).count(s) for s in sorted(set(schemes.values()))}
         logger.info("quantized matrices: %s", counts)

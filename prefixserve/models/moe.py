@@ -105,9 +105,10 @@ class Experts(nn.Module):
             return self.gate_up_proj, self.down_proj
         return self.kernels_gate_up, self.kernels_down
 
-    def to_kernels(self, method: str | None) -> str | None:
-        """One kernel per expert matrix, quantized by ``method`` where the width allows (see
-        ``linear.finalize_linears``); returns the scheme used, if any."""
+    def to_kernels(self, method: str | None, activations: str | None = None) -> str | None:
+        """One kernel per expert matrix, quantized by ``method`` where the width allows and
+        multiplied on ``activations`` (see ``linear.finalize_linears``); returns the scheme used,
+        if any."""
         dtype = self.gate_up_proj.dtype
         stacks = (self.gate_up_proj, self.down_proj)
         if method is not None and any(w.shape[2] % GROUP_SIZE for w in stacks):
@@ -115,7 +116,7 @@ class Experts(nn.Module):
             method = None
         kernels = [
             nn.ModuleList(
-                make_kernel(w[e] if method is None else quantize(w[e], method), dtype)
+                make_kernel(w[e] if method is None else quantize(w[e], method), dtype, activations)
                 for e in range(w.shape[0])
             )
             for w in stacks
@@ -140,14 +141,15 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(moe, hidden_size)
         self.use_triton = use_triton
 
-    def finalize(self, method: str | None) -> str | None:
-        """After loading: the experts' kernels (the torch path), quantized by ``method``; the
-        Triton path keeps the stacked float weights. Returns the experts' scheme, if any."""
+    def finalize(self, method: str | None, activations: str | None = None) -> str | None:
+        """After loading: the experts' kernels (the torch path), quantized by ``method`` and
+        multiplied on ``activations``; the Triton path keeps the stacked float weights. Returns
+        the experts' scheme, if any."""
         if self.use_triton:
             if method is not None:
                 logger.warning("MoE experts stay unquantized on the Triton backend (fused_moe)")
             return None
-        return self.experts.to_kernels(method)
+        return self.experts.to_kernels(method, activations)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
         topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)

@@ -72,6 +72,7 @@ class ModelRunner:
             attn_backend=self.attn_backend,
             revision=config.revision,
             quantization=config.quantization,
+            activation_quantization=config.activation_quantization,
             gguf_dequantize=config.gguf_dequantize,
         )
         self.dtype = self.model.model.norm.weight.dtype
