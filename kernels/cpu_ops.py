@@ -7,7 +7,8 @@ attention), registered as torch ops ``torch.ops.prefixserve_cpu.*``.
 libgomp torch already loaded), caches the build on disk in a folder named by a hash of the sources,
 the flags and torch's version (under ``TORCH_EXTENSIONS_DIR``, by default
 ``~/.cache/torch_extensions``: checkouts with the same sources share one build, different ones
-never rebuild each other's; a second process waits on the first's lock, then loads) and
+never rebuild each other's; a second process waits on the first's lock, then loads: see
+``load_extension``) and
 registers the ops' output shapes for ``torch.compile``. It returns False, logged once, where the
 build fails (no compiler, no ninja, another architecture's compiler): callers then keep torch's
 own kernels. ``-ffp-contract=off``: every fused multiply-add is written out in the sources, so
@@ -16,8 +17,10 @@ each output's operation sequence is the one written (the kernels' batch invarian
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -34,27 +37,48 @@ _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 @functools.cache
 def available() -> bool:
     """Whether the ``prefixserve_cpu`` ops can run here (built and loaded in this process)."""
-    from torch.utils import cpp_extension
-
     start = time.perf_counter()
     digest = xxhash.xxh3_64(f"{torch.__version__}|{_FLAGS}".encode())
     for source in _SOURCES:
         digest.update(source.read_bytes())
     try:
-        cpp_extension.load(  # built in <extensions dir>/<name>: one folder per source hash
-            name=f"prefixserve_cpu_{digest.hexdigest()}",
-            sources=[str(s) for s in _SOURCES],
-            extra_cflags=_FLAGS,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        load_extension(f"prefixserve_cpu_{digest.hexdigest()}", _SOURCES, _FLAGS)
     except Exception as e:  # any build failure: torch's kernels serve instead
         logger.warning("CPU kernels unavailable (%s); using torch's", e)
         return False
     _register_fakes()
     logger.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
     return True
+
+
+def load_extension(name: str, sources: list[Path], flags: list[str]) -> None:
+    """Builds (or finds built) and loads ops library ``name`` from ``sources`` in
+    ``<extensions dir>/<name>``, holding an ``flock`` on ``<name>.flock`` beside it.
+
+    Invariant: at most one process is inside torch's build of a folder, and a process killed
+    there never blocks the next. Torch serialises builds with a plain file (``lock`` in the
+    folder) that it waits on while it exists; a process killed while holding it (a server
+    stopped during start-up) would leave every later start waiting forever. The kernel releases
+    an ``flock`` when its holder dies, so under it any ``lock`` file is a dead process's: it is
+    removed before torch looks.
+    """
+    from torch.utils import cpp_extension
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{name}.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released by close, or by the kernel at death
+        (folder / "lock").unlink(missing_ok=True)
+        cpp_extension.load(
+            name=name,
+            sources=[str(s) for s in sources],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
+            is_python_module=False,
+            verbose=False,
+        )
 
 
 def _register_fakes() -> None:

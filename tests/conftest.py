@@ -30,3 +30,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_sessionstart(session):
+    """Builds the C++ CPU kernels once, before any test starts a server that loads them: on a
+    fresh machine the build takes minutes, longer than a server's start-up wait
+    (``tests/servers.py``)."""
+    if not torch.cuda.is_available():
+        from prefixserve.kernels import cpu_ops
+
+        cpu_ops.available()

@@ -151,8 +151,6 @@ def _cpu_flags() -> set[str]:
 @pytest.fixture(scope="module", params=ISA_BUILDS, ids=[b[2] for b in ISA_BUILDS])
 def isa_ops(request):
     """The ops of one build (built once per source version, cached like the engine's)."""
-    from torch.utils import cpp_extension
-
     march, namespace, isa = request.param
     if platform.machine() != "x86_64" or (isa == "avx2" and "avx2" not in _cpu_flags()):
         pytest.skip(f"{march} does not run here")
@@ -160,8 +158,7 @@ def isa_ops(request):
     flags = ["-O2", f"-march={march}", "-ffp-contract=off", "-fopenmp",
              f"-DQLINEAR_NAMESPACE={namespace}"]  # fmt: skip
     digest = xxhash.xxh3_64(f"{torch.__version__}|{flags}".encode() + source.read_bytes())
-    cpp_extension.load(name=f"{namespace}_{digest.hexdigest()}", sources=[str(source)],
-                       extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False)  # fmt: skip
+    cpu_ops.load_extension(f"{namespace}_{digest.hexdigest()}", [source], flags)
     ops = getattr(torch.ops, namespace)
     assert ops.qlinear_isa() == isa
     return ops
