@@ -1,13 +1,12 @@
 """Paged attention on CPU (``cpu_attention.cpp``, built by ``cpu_ops``), one query token at a
 time: writes the step's new K/V into the paged cache, then attends every query token to its own
 context there, reading the blocks in place. A token's result is the same alone, in any batch and
-under any chunking of its prompt."""
+under any chunking of its prompt. The kernels import nothing of the engine: ``(token_seq,
+token_len)`` come from ``attention.metadata.token_contexts``."""
 
 from __future__ import annotations
 
 import torch
-
-from prefixserve.attention.metadata import AttentionMetadata
 
 
 def paged_attention(
@@ -24,15 +23,3 @@ def paged_attention(
     return torch.ops.prefixserve_cpu.paged_attention(
         query, key, value, kv_cache, slot_mapping, block_tables, token_seq, token_len, scale
     )
-
-
-def token_contexts(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(token_seq, token_len)`` of a step's query tokens: each token's sequence and its context
-    length (position + 1), from the metadata's host copies."""
-    seqs, lens = [], []
-    for s, (q, n) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu)):
-        seqs += [s] * q
-        lens += range(n - q + 1, n + 1)
-    device = md.slot_mapping.device
-    as_int32 = dict(dtype=torch.int32, device=device)
-    return torch.tensor(seqs, **as_int32), torch.tensor(lens, **as_int32)

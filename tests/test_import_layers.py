@@ -8,6 +8,7 @@ excluded: annotations only) with ``ast``, so the rule is checked without importi
         runner, sample, spec_decode      a batch -> tensors -> tokens
           models, attention, kv          the model, attention over the paged cache, blocks
             core                         the values every layer passes
+              kernels                    Triton and C++ kernels on tensors: no engine types
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ HIGHER = {
     "engine": {"entrypoints", "api", "scale_out"},
     "spec_decode": {"engine", "runner", "entrypoints", "api", "scale_out"},
     "structured_outputs": {"engine", "sample", "runner", "entrypoints", "api", "scale_out"},
+    "kernels": {"core", "kv", "engine", "sample", "runner", "entrypoints", "api", "scale_out",
+                "models", "attention", "spec_decode", "structured_outputs"},
 }  # fmt: skip
 
 

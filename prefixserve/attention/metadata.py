@@ -134,3 +134,16 @@ def build_attention_metadata(
         starts = [span.num_computed_tokens for span in spans]
         meta.prefix_groups = plan_prefix_groups(tables, starts, block_size)
     return tensor(positions, torch.int64), meta
+
+
+def token_contexts(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(token_seq, token_len)`` of a step's query tokens, as the CPU paged-attention kernel
+    takes them: each token's sequence and its context length (position + 1), from the
+    metadata's host copies."""
+    seqs, lens = [], []
+    for s, (q, n) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu)):
+        seqs += [s] * q
+        lens += range(n - q + 1, n + 1)
+    device = md.slot_mapping.device
+    as_int32 = dict(dtype=torch.int32, device=device)
+    return torch.tensor(seqs, **as_int32), torch.tensor(lens, **as_int32)

@@ -40,10 +40,10 @@ from dataclasses import dataclass
 import torch
 
 from prefixserve.attention.backend import AttentionBackend
-from prefixserve.attention.metadata import AttentionMetadata
+from prefixserve.attention.metadata import AttentionMetadata, token_contexts
 from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.kernels import cpu_ops
-from prefixserve.kernels.cpu_attention import paged_attention, token_contexts
+from prefixserve.kernels.cpu_attention import paged_attention
 
 logger = logging.getLogger(__name__)
 
