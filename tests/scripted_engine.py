@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from prefixserve.api.async_engine import EngineOverloadedError, RequestStream
+from prefixserve.api.engine_client import EngineOverloadedError, RequestStream
 from prefixserve.api.server import ServerConfig, build_app
 from prefixserve.core.outputs import CompletionOutput, RequestOutput
 from prefixserve.models.builtin import builtin_tokenizer

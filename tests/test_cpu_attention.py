@@ -8,9 +8,9 @@ import pytest
 import torch
 from attn_utils import BlockAllocator, build_attn_metadata
 
+from prefixserve.attention.metadata import token_contexts
 from prefixserve.attention.torch_backend import TorchAttentionBackend
 from prefixserve.kernels import cpu_ops
-from prefixserve.attention.metadata import token_contexts
 from prefixserve.kernels.cpu_attention import paged_attention
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ toolchain")

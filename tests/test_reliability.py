@@ -21,7 +21,8 @@ import pytest
 from servers import MODEL, metric, scrape, server_process
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.api.async_engine import AsyncEngine, EngineOverloadedError
+from prefixserve.api.async_engine import AsyncEngine
+from prefixserve.api.engine_client import EngineOverloadedError
 from prefixserve.api.server import ServerConfig, create_app
 from prefixserve.core.config import EngineConfig
 from prefixserve.engine.llm_engine import LLMEngine

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.api.async_engine import AsyncEngine, RequestFailedError
+from prefixserve.api.async_engine import AsyncEngine
+from prefixserve.api.engine_client import RequestFailedError
 from prefixserve.core.errors import StepFailedError
 from prefixserve.kv.hashing import extend_block_hashes
 from prefixserve.kv.kv_cache_manager import KVCacheManager

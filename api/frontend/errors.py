@@ -26,7 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from prefixserve.api.async_engine import EngineDeadError
+from prefixserve.api.engine_client import EngineDeadError
 from prefixserve.api.frontend.protocol import APIError, error_body
 from prefixserve.core.errors import CacheCapacityError, InvalidArgumentError
 

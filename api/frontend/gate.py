@@ -23,7 +23,7 @@ import time
 
 from fastapi import FastAPI
 
-from prefixserve.api.async_engine import RETRY_AFTER_SECONDS
+from prefixserve.api.engine_client import RETRY_AFTER_SECONDS
 from prefixserve.api.frontend.errors import OPENAI_ONLY, ErrorShapes
 from prefixserve.api.frontend.protocol import APIError, internal_error
 

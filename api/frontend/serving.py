@@ -19,8 +19,7 @@ from typing import Any
 
 from fastapi import Request
 
-from prefixserve.api.async_engine import RequestStream
-from prefixserve.api.engine_client import EngineClient
+from prefixserve.api.engine_client import EngineClient, RequestStream
 from prefixserve.api.frontend.protocol import APIError
 from prefixserve.api.frontend.tenancy import NO_TENANT, Tenant
 from prefixserve.core.errors import CacheCapacityError, InvalidArgumentError

@@ -25,7 +25,7 @@ from typing import TypeVar
 
 from fastapi.responses import StreamingResponse
 
-from prefixserve.api.async_engine import RequestStream
+from prefixserve.api.engine_client import RequestStream
 from prefixserve.api.frontend.protocol import APIError
 from prefixserve.core.outputs import CompletionOutput, RequestOutput
 

@@ -27,8 +27,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
-from prefixserve.api.async_engine import RequestStream
-from prefixserve.api.engine_client import EngineClient
+from prefixserve.api.engine_client import EngineClient, RequestStream
 from prefixserve.api.parsing.reasoning import THINK_END, reasoning_parser
 from prefixserve.core.outputs import CompletionOutput, RequestOutput
 

@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
-from prefixserve.api.async_engine import RequestStream
+from prefixserve.api.engine_client import RequestStream
 from prefixserve.api.frontend.stream import IDLE, drive
 from prefixserve.api.openai.protocol import PromptTokensDetails, Usage
 from prefixserve.core.outputs import RequestOutput

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from prefixserve.api.async_engine import RETRY_AFTER_SECONDS, EngineOverloadedError, RequestStream
+from prefixserve.api.engine_client import RETRY_AFTER_SECONDS, EngineOverloadedError, RequestStream
 from prefixserve.api.frontend.protocol import APIError
 from prefixserve.core.outputs import RequestOutput
 from prefixserve.core.sampling_params import BeamSearchParams, SamplingParams

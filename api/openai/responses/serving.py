@@ -27,7 +27,7 @@ from collections import Counter
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from prefixserve.api.async_engine import RequestStream
+from prefixserve.api.engine_client import RequestStream
 from prefixserve.api.frontend.inputs import TemplateServing, ToolRequest
 from prefixserve.api.frontend.protocol import APIError, random_id
 from prefixserve.api.frontend.reasoning_effort import effort_kwargs

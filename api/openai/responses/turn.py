@@ -18,7 +18,7 @@ from array import array
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from prefixserve.api.async_engine import RequestStream
+from prefixserve.api.engine_client import RequestStream
 from prefixserve.api.frontend.inputs import EngineInputs
 from prefixserve.api.frontend.protocol import APIError
 from prefixserve.api.frontend.stream import DeltaTracker, drive
