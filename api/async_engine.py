@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
@@ -52,23 +51,21 @@ from prefixserve.core.errors import StepFailedError
 from prefixserve.core.outputs import RequestOutput
 from prefixserve.core.sampling_params import BeamSearchParams, SamplingParams
 from prefixserve.engine.llm_engine import EngineStats, LLMEngine
+from prefixserve.engine.output_processor import ProgressObserver
 from prefixserve.engine.preprocessor import PreparedRequest
 from prefixserve.kv.retention import KVRetention
 
 logger = logging.getLogger(__name__)
 
 
-StepObserver = Callable[[list[RequestOutput], dict[str, float], float], None]
-
-
 class AsyncEngine:
-    """Owner of the engine thread. ``observer(outputs, arrival_times, now)`` runs on that thread;
+    """Owner of the engine thread. ``observer(progress, now)`` (``OutputProcessor.observer``:
+    every touched request's progress, each step) runs on that thread;
     ``on_death(exc)`` runs on the event loop once the engine loop died."""
 
     def __init__(
         self,
         engine: LLMEngine,
-        observer: StepObserver | None = None,
         max_waiting: int | None = None,
         on_death: Callable[[BaseException], None] | None = None,
     ) -> None:
@@ -80,7 +77,6 @@ class AsyncEngine:
         self.eos_token_ids = engine.eos_token_ids
         config = engine.config  # the prefix cache's block size; None when it is off
         self.prefix_cache_block_size = config.block_size if config.enable_prefix_caching else None
-        self.observer = observer
         self.on_death = on_death
         self.dead: BaseException | None = None
         self._cond = threading.Condition()
@@ -96,7 +92,6 @@ class AsyncEngine:
         self._fail_all: BaseException | None = None
         self._num_waiting = 0
         self._streams: dict[str, RequestStream] = {}
-        self._arrivals: dict[str, float] = {}
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -123,6 +118,15 @@ class AsyncEngine:
 
         threading.Thread(target=engine_thread, name="prefixserve-engine", daemon=True).start()
         return built.result()
+
+    @property
+    def observer(self) -> ProgressObserver | None:
+        """Set before ``start``: the engine's ``OutputProcessor.observer``."""
+        return self.engine.output_processor.observer
+
+    @observer.setter
+    def observer(self, observer: ProgressObserver | None) -> None:
+        self.engine.output_processor.observer = observer
 
     # ---- event-loop side ---------------------------------------------------------------------
 
@@ -287,7 +291,6 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(stream.settle_accepted, exc)
             return
         self._streams[stream.request_id] = stream
-        self._arrivals[stream.request_id] = time.monotonic()
         self._loop.call_soon_threadsafe(stream.settle_accepted, None)
 
     def _count_waiting(self) -> None:
@@ -300,13 +303,9 @@ class AsyncEngine:
         for stream in streams:
             self.engine.abort_request(stream.request_id)
         self._streams.clear()
-        self._arrivals.clear()
         self._loop.call_soon_threadsafe(_deliver, [(s, error) for s in streams])
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        now = time.monotonic()
-        if self.observer is not None and outputs:
-            self.observer(outputs, self._arrivals, now)
         deliveries = []
         for output in outputs:
             stream = self._streams.get(output.request_id)
@@ -314,7 +313,6 @@ class AsyncEngine:
                 continue
             if output.finished:
                 self._streams.pop(output.request_id, None)
-                self._arrivals.pop(output.request_id, None)
             deliveries.append((stream, output))
         snapshot = self.engine.stats()
         with self._cond:

@@ -21,7 +21,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from prefixserve.core.outputs import RequestOutput
+from prefixserve.core.outputs import RequestProgress
 from prefixserve.engine.llm_engine import EngineStats
 
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "tool_calls")
@@ -276,30 +276,25 @@ class ServerMetrics:
         self._recent_ttft: deque[float] = deque(maxlen=RECENT_TTFT)
         self._last_token: dict[str, tuple[float, int]] = {}  # request id -> (time, tokens so far)
 
-    def observe_step(
-        self, outputs: list[RequestOutput], arrivals: dict[str, float], now: float
-    ) -> None:
-        for out in outputs:
-            rid = out.request_id
-            arrival = arrivals.get(rid)
-            if arrival is None:
-                continue
-            num_tokens = sum(len(c.token_ids) for c in out.outputs)
+    def observe_step(self, progress: list[RequestProgress], now: float) -> None:
+        """Latencies from the requests a step touched (``OutputProcessor.observer``): time to
+        the first output token, between tokens, and of finished requests."""
+        for p in progress:
+            rid = p.request_id
             last = self._last_token.get(rid)
-            if last is None and num_tokens > 0:
-                self.ttft.labels(self.model_name).observe(now - arrival)
+            if last is None and p.num_output_tokens > 0:
+                self.ttft.labels(self.model_name).observe(now - p.arrival_time)
                 with self._lock:
-                    self._recent_ttft.append(now - arrival)
-            elif last is not None and num_tokens > last[1]:
+                    self._recent_ttft.append(now - p.arrival_time)
+            elif last is not None and p.num_output_tokens > last[1]:
                 self.itl.labels(self.model_name).observe(now - last[0])
-            if num_tokens > 0:
-                self._last_token[rid] = (now, num_tokens)
-            if out.finished:
+            if p.num_output_tokens > 0:
+                self._last_token[rid] = (now, p.num_output_tokens)
+            if p.finished:
                 self._last_token.pop(rid, None)
-                reason = out.outputs[0].finish_reason if out.outputs else None
-                if reason is not None and reason != "abort":
-                    self.success.labels(self.model_name, reason).inc()
-                    self.e2e.labels(self.model_name).observe(now - arrival)
+                if p.finish_reason is not None and p.finish_reason != "abort":
+                    self.success.labels(self.model_name, p.finish_reason).inc()
+                    self.e2e.labels(self.model_name).observe(now - p.arrival_time)
 
     def recent_ttft(self) -> list[float]:
         with self._lock:

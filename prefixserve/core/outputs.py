@@ -1,15 +1,18 @@
-"""What ``LLM.generate`` returns and ``LLMEngine.step`` streams: vLLM's output shapes."""
+"""What ``LLM.generate`` returns and ``LLMEngine.step`` streams: vLLM's output shapes, and each
+request's progress in a step (for metrics, whatever the request's output kind)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 @dataclass
 class CompletionOutput:
     """One generated continuation of a prompt.
 
-    ``token_ids`` holds generated tokens only. ``logprobs`` is None unless asked for; else one dict
+    ``token_ids`` holds generated tokens only (with ``RequestOutputKind.DELTA``: the new ones, and
+    ``text`` and ``logprobs`` what they added). ``logprobs`` is None unless asked for; else one dict
     per generated token mapping token id -> logprob, holding the sampled token and the top-k.
     ``finish_reason`` is None while running, then ``"stop"`` (EOS, a stop string or a stop token),
     ``"length"`` (max_tokens or the context limit) or ``"abort"``; ``stop_reason`` is the matched
@@ -49,3 +52,14 @@ class RequestOutput:
     error: str | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     kv_retained_tokens: tuple[int | None, ...] = ()
+
+
+class RequestProgress(NamedTuple):
+    """Where one request stands after a step: every touched request has one, whatever its
+    output kind (``OutputProcessor.observer``)."""
+
+    request_id: str
+    arrival_time: float  # time.monotonic() when the engine took it
+    num_output_tokens: int  # generated so far, over all its sequences
+    finished: bool
+    finish_reason: str | None  # its first output's, once finished

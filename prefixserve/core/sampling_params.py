@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from prefixserve.core.errors import require
@@ -10,6 +11,21 @@ from prefixserve.structured_outputs.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 """Most top logprobs one generated token may return (``logprobs``, ``top_logprobs``)."""
+
+
+class RequestOutputKind(enum.Enum):
+    """What each of a request's ``RequestOutput`` s holds (vLLM's names).
+
+    ``CUMULATIVE``: everything so far (each output's text, tokens and logprobs extend the last).
+    ``DELTA``: only what is new since the request's previous output; concatenated, a sequence's
+    deltas are the cumulative output. ``FINAL_ONLY``: one output, the finished request's whole.
+    Request-level fields (prompt, cache figures, ``prompt_logprobs`` so far, retention) are whole
+    in every kind.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -35,6 +51,8 @@ class SamplingParams:
 
     ``segment_reuse``: False opts this request out of segment reuse on an engine that has it on
     (``EngineConfig.segment_reuse``): its output is then exact; None or True follow the engine.
+
+    ``output_kind``: what each of its outputs holds (``RequestOutputKind``).
     """
 
     n: int = 1
@@ -63,6 +81,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     kv_retention: KVRetention | list[KVRetention] | tuple[KVRetention, ...] | None = None
     segment_reuse: bool | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_retention, KVRetention):
@@ -184,6 +203,8 @@ class BeamSearchParams:
     ``sum_logprobs / len(generated) ** length_penalty``. A hypothesis ends at EOS, a
     ``stop_token_ids`` token or, as its text grows, a ``stop`` string (the text is cut before it
     unless ``include_stop_str_in_output``). ``skip_special_tokens`` applies to the final text.
+    Hypotheses are decoded once, at the end: with ``output_kind`` DELTA or FINAL_ONLY the request
+    has one output, when it finishes.
     """
 
     beam_width: int = 4
@@ -197,6 +218,7 @@ class BeamSearchParams:
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

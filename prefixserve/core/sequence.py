@@ -67,6 +67,9 @@ class Sequence:
     # ``num_computed_tokens``): the scheduler steps over each one instead of computing it
     # (``ScheduledSeq.pieces``)
     reuse_spans: list[tuple[int, int]] = field(default_factory=list)
+    # (characters of text, tokens) already in a DELTA output; the output processor's alone (a
+    # fork starts at none: its first delta holds what it shares with its source)
+    num_sent: tuple[int, int] = (0, 0)
 
     @property
     def num_tokens(self) -> int:

@@ -9,7 +9,7 @@ One ``step()`` is a straight line; every stage hands the next one a value::
     SamplingStep.sample()            -> SamplingResult: tokens (+ logprobs), beam steps, failures
     Scheduler.update_from_output()   -> the requests it touched: tokens appended, blocks hashed,
                                         forks, stops, frees, finished requests
-    OutputProcessor.make_output()    -> one RequestOutput per touched request
+    OutputProcessor.make_outputs()   -> the RequestOutput each touched request's kind calls for
 
 With tiers under the KV pool (``prefixserve.kv.tiers``), blocks the pool evicts are copied out
 right after ``schedule()`` (before the forward can overwrite them) and the step's new blocks
@@ -278,7 +278,9 @@ class LLMEngine:
         """Stop a request now and free its blocks; returns its final output (failed with
         ``error`` if given), None if unknown."""
         request = self.scheduler.abort_request(request_id, error)
-        return self.output_processor.make_output(request) if request is not None else None
+        if request is None:
+            return None
+        return self.output_processor.make_outputs([request])[0]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -309,7 +311,7 @@ class LLMEngine:
             raise StepFailedError(
                 f"the engine step failed: {exc!r}",
                 list(dict.fromkeys(s.request.request_id for s in scheduler_output.scheduled)),
-                [self.output_processor.make_output(r) for r in scheduler_output.finished],
+                self.output_processor.make_outputs(scheduler_output.finished),
             ) from exc
         except BaseException:  # KeyboardInterrupt: roll back, let it through as it is
             self.scheduler.abandon_step(scheduler_output)
@@ -325,7 +327,7 @@ class LLMEngine:
                 runner_output.forward_seconds,
             )
         t3 = time.perf_counter()
-        outputs = [self.output_processor.make_output(request) for request in touched]
+        outputs = self.output_processor.make_outputs(touched)
         times.schedule += t1 - t0
         times.prepare += runner_output.prepare_seconds
         times.forward += runner_output.forward_seconds
