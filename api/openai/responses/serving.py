@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from array import array
 from collections import Counter
 
 from fastapi import Request
@@ -35,12 +34,7 @@ from prefixserve.api.frontend.stream import event_stream
 from prefixserve.api.frontend.tenancy import Tenant, tenant_of
 from prefixserve.api.openai.prompt_cache import retention_of, retention_session, routing_key
 from prefixserve.api.openai.protocol import _SamplingFields
-from prefixserve.api.openai.responses.continuation import (
-    Prompt,
-    continue_prompt,
-    output_text,
-    render_prompt,
-)
+from prefixserve.api.openai.responses.continuation import Prompt, continue_prompt, render_prompt
 from prefixserve.api.openai.responses.items import (
     normalize_input,
     reasoning_text,
@@ -53,7 +47,7 @@ from prefixserve.api.openai.responses.protocol import (
     check_supported,
     effort_of,
 )
-from prefixserve.api.openai.responses.store import Record, ResponseStore, StoredResponse
+from prefixserve.api.openai.responses.store import ResponseStore, StoredResponse
 from prefixserve.api.openai.responses.tools import JSON_ARGUMENTS, ResponsesTools, chat_tools
 from prefixserve.api.openai.responses.truncation import truncate
 from prefixserve.api.openai.responses.turn import LOGPROBS, ResponseTurn
@@ -100,30 +94,10 @@ class ResponsesServing(TemplateServing):
         """The caller's response ``response_id`` with its conversation (a WebSocket
         ``connection``'s own responses too), or a 404."""
         namespaces = (tenant.namespace(cache_salt), *((connection,) if connection else ()))
-        chain = self.store.chain(response_id, namespaces)
-        if chain is None:
+        entry = self.store.conversation(response_id, namespaces, self.engine.tokenizer)
+        if entry is None:
             raise APIError(f"Response with id '{response_id}' not found.", 404, param)
-        return self._conversation(chain)
-
-    def _conversation(self, chain: list[Record]) -> StoredResponse:
-        """A response rebuilt from its records (``store``), root first."""
-        items: list[dict] = []
-        outputs: list[dict] = []
-        text: str | None = None
-        ids, out_ids = array("i"), array("i")
-        for r in chain:
-            items = r.new_items if r.parent is None else items + outputs + r.new_items
-            if not r.prompt_known:
-                text = None
-            elif r.spliced is None:
-                text, ids = r.text_delta, r.ids_delta
-            elif text is not None:
-                kept = out_ids[: r.spliced - len(ids)]
-                text = text + output_text(self.engine.tokenizer, kept) + r.text_delta
-                ids = ids + kept + r.ids_delta
-            outputs, out_ids = r.output_items, r.output_ids
-        body = {**chain[-1].response, "output": outputs}
-        return StoredResponse(body, items, outputs, text, ids, out_ids)
+        return entry
 
     async def delete(self, tenant: Tenant, response_id: str, cache_salt: str | None) -> dict:
         """Delete a stored response and release what it retained (``prompt_cache_retention``;
