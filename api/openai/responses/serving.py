@@ -50,9 +50,9 @@ from prefixserve.api.openai.responses.protocol import (
 from prefixserve.api.openai.responses.store import ResponseStore, StoredResponse
 from prefixserve.api.openai.responses.tools import JSON_ARGUMENTS, ResponsesTools, chat_tools
 from prefixserve.api.openai.responses.truncation import truncate
-from prefixserve.api.openai.responses.turn import LOGPROBS, ResponseTurn
+from prefixserve.api.openai.responses.turn import LOGPROBS, ResponseTurn, TurnOwner, TurnServices
 from prefixserve.api.parsing.reasoning import THINK_END, THINK_START, starts_in_reasoning
-from prefixserve.api.parsing.reply import Finish, forced_syntax
+from prefixserve.api.parsing.reply import forced_syntax
 from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.engine.chat_template import render_chat_text
 from prefixserve.structured_outputs.params import StructuredOutputsParams
@@ -69,6 +69,8 @@ class ResponsesServing(TemplateServing):
         super().__init__(engine, served_model_names, **options)
         self.store = store
         self.hosted_tools = hosted_tools
+        self.turn_services = TurnServices(store, self.tool_calls, engine.abort, engine.tokenizer,
+                                          self.eos_texts, self.token_text)  # fmt: skip
         self.continuations = {"token_exact": 0, "rerendered": 0, "truncated": 0}
         self.truncations = 0
         self.tools_not_offered: Counter[str] = Counter()
@@ -132,14 +134,7 @@ class ResponsesServing(TemplateServing):
         if req.stream:
             return event_stream(turn.sse(streams), turn.headers)
         final = (await self.collect(raw_request, streams))[0]
-        c = final.outputs[0]
-        output = turn.output()
-        if req.generate:
-            output.feed(self.visible_text(c, turn.inputs.mode),
-                        self.logprobs_of(req, c.logprobs, c.token_ids),
-                        Finish(c.finish_reason, c.stop_reason))  # fmt: skip
-            output.finish(turn.status(c))
-        return JSONResponse(await turn.complete(final, output), headers=turn.headers)
+        return JSONResponse(await turn.complete(final), headers=turn.headers)
 
     async def start(
         self, req: ResponsesRequest, tenant: Tenant, connection: str | None = None
@@ -191,14 +186,12 @@ class ResponsesServing(TemplateServing):
                 kind = "token_exact" if prompt.token_exact else "rerendered"
                 self.continuations["truncated" if truncated else kind] += 1
 
-            def new_output() -> ResponseOutput:
-                return ResponseOutput(self.reply_parser(inputs), LOGPROBS in (req.include or []),
-                                      offered.namespaces, offered.custom)  # fmt: skip
-
+            output = ResponseOutput(self.reply_parser(inputs), LOGPROBS in (req.include or []),
+                                    offered.namespaces, offered.custom)  # fmt: skip
             parent = None if prev is None or truncated else req.previous_response_id
-            owner = (tenant, connection, parent, len(history))
-            turn = ResponseTurn(self, req, response_id, model, owner, items, prompt,
-                                (inputs, new_output))  # fmt: skip
+            owner = TurnOwner(tenant, connection, parent, len(history))
+            turn = ResponseTurn(req, response_id, model, owner, items, prompt, inputs, output,
+                                self.turn_services)  # fmt: skip
             turn.headers = headers
         return turn, streams
 
@@ -286,24 +279,6 @@ class ResponsesServing(TemplateServing):
         opened = starts_in_reasoning(self.reasoning_parser or "qwen3", prompt)
         closed = trailing[-1].get("status") != "incomplete"
         return ("" if opened else THINK_START) + text + (THINK_END + "\n\n" if closed else "")
-
-    def logprobs_of(self, req: ResponsesRequest, entries: list[dict[int, float]] | None,
-                  token_ids: list[int]) -> list[dict] | None:  # fmt: skip
-        """OpenAI's ``logprobs`` of output text: per token its text, bytes, logprob and the top
-        ``top_logprobs``."""
-        if entries is None:
-            return None
-
-        def item(token_id: int, logprob: float) -> dict:
-            text = self.token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-        k = req.top_logprobs or 0
-        out = []
-        for entry, token in zip(entries, token_ids):
-            top = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:k]
-            out.append({**item(token, entry[token]), "top_logprobs": [item(*t) for t in top]})
-        return out
 
 
 def _text_format(
