@@ -234,3 +234,62 @@ def test_rows_in_a_parent_cycle_are_orphans(tmp_path):
     again.close()
     with sqlite3.connect(path) as db:
         assert [rid for (rid,) in db.execute("SELECT id FROM responses")] == ["root"]
+
+
+class Spelling:
+    """A tokenizer whose token ``i`` spells ``<i>``."""
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=True) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+
+def turn(rid: str, parent: str | None = None, spliced: int | None = None, text: str = "",
+         ids: tuple[int, ...] = (), out: tuple[int, ...] = (), persist: bool = False) -> Record:  # fmt: skip
+    """A record whose items and output name it: ``in:<rid>`` and ``out:<rid>``."""
+    return Record(rid, "ns", "t", parent, {"id": rid, "status": "completed"},
+                  [{"id": f"in:{rid}"}], [{"id": f"out:{rid}"}], spliced, text,
+                  array("i", ids), array("i", out), persist=persist)  # fmt: skip
+
+
+def test_a_conversation_is_rebuilt_from_its_deltas():
+    """Items grow by the parent's output and the new items; a spliced prompt is the parent's
+    prompt, the part of its output it kept (spelled by the tokenizer) and the delta; a
+    re-rendered one (``spliced`` None) starts again from its own."""
+    store = ResponseStore()
+    put(store, turn("a", text="A", ids=(1, 2), out=(3, 4)),
+        turn("b", "a", spliced=3, text="B", ids=(5,), out=(6,)),
+        turn("c", "b", text="C", ids=(7,), out=(8,)))  # fmt: skip
+    b = store.conversation("b", ("ns",), Spelling())
+    assert b.response == {"id": "b", "status": "completed", "output": [{"id": "out:b"}]}
+    assert [i["id"] for i in b.items] == ["in:a", "out:a", "in:b"]
+    assert b.output_items == [{"id": "out:b"}]
+    assert (b.prompt_text, list(b.prompt_token_ids)) == ("A<3>B", [1, 2, 3, 5])
+    assert list(b.output_token_ids) == [6]
+    c = store.conversation("c", ("ns",), Spelling())
+    assert [i["id"] for i in c.items] == ["in:a", "out:a", "in:b", "out:b", "in:c"]
+    assert (c.prompt_text, list(c.prompt_token_ids), list(c.output_token_ids)) == ("C", [7], [8])
+
+
+def test_a_conversation_is_visible_in_its_namespaces_only():
+    store = ResponseStore()
+    put(store, turn("a", text="A"))
+    assert store.conversation("a", ("other",), Spelling()) is None
+    assert store.conversation("missing", ("ns",), Spelling()) is None
+    assert store.conversation("a", ("other", "ns"), Spelling()).prompt_text == "A"
+
+
+def test_after_a_restart_a_conversation_has_no_prompt_until_one_renders_again(tmp_path):
+    path = str(tmp_path / "store.sqlite3")
+    store = ResponseStore(path=path)
+    put(store, turn("a", text="A", ids=(1,), out=(2,), persist=True),
+        turn("b", "a", spliced=2, text="B", ids=(3,), out=(4,), persist=True))  # fmt: skip
+    store.close()
+    again = ResponseStore(path=path)
+    b = again.conversation("b", ("ns",), Spelling())
+    assert b.prompt_text is None and [i["id"] for i in b.items] == ["in:a", "out:a", "in:b"]
+    put(again, turn("c", "b", text="C", ids=(5,), out=(6,)),
+        turn("d", "c", spliced=2, text="D", ids=(7,)))  # fmt: skip
+    d = again.conversation("d", ("ns",), Spelling())
+    assert (d.prompt_text, list(d.prompt_token_ids)) == ("C<6>D", [5, 6, 7])
+    assert len(d.items) == 7
+    again.close()

@@ -163,8 +163,11 @@ class TemplateServing(BaseServing):
                     tools.grammar_tools or tools.tools or [], tools.name, tools.parallel,
                     forced_syntax(self.tool_parser), reasoning,
                 ), "tool_choice"  # fmt: skip
-            elif grammar is None and mode is ToolMode.AUTO and tools.strict and (
-                self.tool_parser == "hermes"
+            elif (
+                grammar is None
+                and mode is ToolMode.AUTO
+                and tools.strict
+                and self.tool_parser == "hermes"
             ):
                 grammar = optional_tool_call_params(tools.grammar_tools or tools.tools or [],
                                                     set(tools.strict), tools.parallel)  # fmt: skip
@@ -185,13 +188,19 @@ class TemplateServing(BaseServing):
                            reasoner, tools.parallel)  # fmt: skip
 
     def visible_text(self, c: CompletionOutput, mode: ToolMode) -> str:
-        """The output text, less the EOS text that tool modes keep (special tokens shown)."""
-        if mode is not ToolMode.NONE and c.finish_reason == "stop":
-            for eos in self.eos_texts:
-                if c.text.endswith(eos):
-                    return c.text[: -len(eos)]
-        return c.text
+        """``visible_text`` with this server's EOS texts."""
+        return visible_text(c, mode, self.eos_texts)
 
     def reasoning_tokens(self, token_ids: list[int], reasoning: str | None) -> int:
         """How many of an output's tokens are reasoning (``reasoning``: None without a block)."""
         return count_reasoning_tokens(self.engine.tokenizer, token_ids, reasoning)
+
+
+def visible_text(c: CompletionOutput, mode: ToolMode, eos_texts: tuple[str, ...]) -> str:
+    """The output text, less the EOS text that tool modes keep (special tokens shown):
+    ``eos_texts``, longest first."""
+    if mode is not ToolMode.NONE and c.finish_reason == "stop":
+        for eos in eos_texts:
+            if c.text.endswith(eos):
+                return c.text[: -len(eos)]
+    return c.text

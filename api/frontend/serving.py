@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fastapi import Request
@@ -222,9 +222,7 @@ class BaseServing:
         return streams
 
     def abort_all(self, streams: list[RequestStream]) -> None:
-        for stream in streams:
-            if not stream.finished:
-                self.engine.abort(stream.request_id)
+        abort_unfinished(self.engine.abort, streams)
 
     @contextlib.contextmanager
     def owned(self, streams: list[RequestStream]) -> Iterator[None]:
@@ -255,6 +253,14 @@ class BaseServing:
         finally:
             watcher.cancel()
             self.abort_all(streams)
+
+
+def abort_unfinished(abort: Callable[[str], None], streams: list[RequestStream]) -> None:
+    """``abort`` (``EngineClient.abort``) every one of ``streams`` that has not finished."""
+    for stream in streams:
+        if not stream.finished:
+            abort(stream.request_id)
+
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI sends token ids as JSON object keys (strings)."""

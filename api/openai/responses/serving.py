@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from array import array
 from collections import Counter
 
 from fastapi import Request
@@ -35,12 +34,7 @@ from prefixserve.api.frontend.stream import event_stream
 from prefixserve.api.frontend.tenancy import Tenant, tenant_of
 from prefixserve.api.openai.prompt_cache import retention_of, retention_session, routing_key
 from prefixserve.api.openai.protocol import _SamplingFields
-from prefixserve.api.openai.responses.continuation import (
-    Prompt,
-    continue_prompt,
-    output_text,
-    render_prompt,
-)
+from prefixserve.api.openai.responses.continuation import Prompt, continue_prompt, render_prompt
 from prefixserve.api.openai.responses.items import (
     normalize_input,
     reasoning_text,
@@ -53,12 +47,12 @@ from prefixserve.api.openai.responses.protocol import (
     check_supported,
     effort_of,
 )
-from prefixserve.api.openai.responses.store import Record, ResponseStore, StoredResponse
+from prefixserve.api.openai.responses.store import ResponseStore, StoredResponse
 from prefixserve.api.openai.responses.tools import JSON_ARGUMENTS, ResponsesTools, chat_tools
 from prefixserve.api.openai.responses.truncation import truncate
-from prefixserve.api.openai.responses.turn import LOGPROBS, ResponseTurn
+from prefixserve.api.openai.responses.turn import LOGPROBS, ResponseTurn, TurnOwner, TurnServices
 from prefixserve.api.parsing.reasoning import THINK_END, THINK_START, starts_in_reasoning
-from prefixserve.api.parsing.reply import Finish, forced_syntax
+from prefixserve.api.parsing.reply import forced_syntax
 from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.engine.chat_template import render_chat_text
 from prefixserve.structured_outputs.params import StructuredOutputsParams
@@ -75,6 +69,8 @@ class ResponsesServing(TemplateServing):
         super().__init__(engine, served_model_names, **options)
         self.store = store
         self.hosted_tools = hosted_tools
+        self.turn_services = TurnServices(store, self.tool_calls, engine.abort, engine.tokenizer,
+                                          self.eos_texts, self.token_text)  # fmt: skip
         self.continuations = {"token_exact": 0, "rerendered": 0, "truncated": 0}
         self.truncations = 0
         self.tools_not_offered: Counter[str] = Counter()
@@ -100,30 +96,10 @@ class ResponsesServing(TemplateServing):
         """The caller's response ``response_id`` with its conversation (a WebSocket
         ``connection``'s own responses too), or a 404."""
         namespaces = (tenant.namespace(cache_salt), *((connection,) if connection else ()))
-        chain = self.store.chain(response_id, namespaces)
-        if chain is None:
+        entry = self.store.conversation(response_id, namespaces, self.engine.tokenizer)
+        if entry is None:
             raise APIError(f"Response with id '{response_id}' not found.", 404, param)
-        return self._conversation(chain)
-
-    def _conversation(self, chain: list[Record]) -> StoredResponse:
-        """A response rebuilt from its records (``store``), root first."""
-        items: list[dict] = []
-        outputs: list[dict] = []
-        text: str | None = None
-        ids, out_ids = array("i"), array("i")
-        for r in chain:
-            items = r.new_items if r.parent is None else items + outputs + r.new_items
-            if not r.prompt_known:
-                text = None
-            elif r.spliced is None:
-                text, ids = r.text_delta, r.ids_delta
-            elif text is not None:
-                kept = out_ids[: r.spliced - len(ids)]
-                text = text + output_text(self.engine.tokenizer, kept) + r.text_delta
-                ids = ids + kept + r.ids_delta
-            outputs, out_ids = r.output_items, r.output_ids
-        body = {**chain[-1].response, "output": outputs}
-        return StoredResponse(body, items, outputs, text, ids, out_ids)
+        return entry
 
     async def delete(self, tenant: Tenant, response_id: str, cache_salt: str | None) -> dict:
         """Delete a stored response and release what it retained (``prompt_cache_retention``;
@@ -158,14 +134,7 @@ class ResponsesServing(TemplateServing):
         if req.stream:
             return event_stream(turn.sse(streams), turn.headers)
         final = (await self.collect(raw_request, streams))[0]
-        c = final.outputs[0]
-        output = turn.output()
-        if req.generate:
-            output.feed(self.visible_text(c, turn.inputs.mode),
-                        self.logprobs_of(req, c.logprobs, c.token_ids),
-                        Finish(c.finish_reason, c.stop_reason))  # fmt: skip
-            output.finish(turn.status(c))
-        return JSONResponse(await turn.complete(final, output), headers=turn.headers)
+        return JSONResponse(await turn.complete(final), headers=turn.headers)
 
     async def start(
         self, req: ResponsesRequest, tenant: Tenant, connection: str | None = None
@@ -217,14 +186,12 @@ class ResponsesServing(TemplateServing):
                 kind = "token_exact" if prompt.token_exact else "rerendered"
                 self.continuations["truncated" if truncated else kind] += 1
 
-            def new_output() -> ResponseOutput:
-                return ResponseOutput(self.reply_parser(inputs), LOGPROBS in (req.include or []),
-                                      offered.namespaces, offered.custom)  # fmt: skip
-
+            output = ResponseOutput(self.reply_parser(inputs), LOGPROBS in (req.include or []),
+                                    offered.namespaces, offered.custom)  # fmt: skip
             parent = None if prev is None or truncated else req.previous_response_id
-            owner = (tenant, connection, parent, len(history))
-            turn = ResponseTurn(self, req, response_id, model, owner, items, prompt,
-                                (inputs, new_output))  # fmt: skip
+            owner = TurnOwner(tenant, connection, parent, len(history))
+            turn = ResponseTurn(req, response_id, model, owner, items, prompt, inputs, output,
+                                self.turn_services)  # fmt: skip
             turn.headers = headers
         return turn, streams
 
@@ -312,24 +279,6 @@ class ResponsesServing(TemplateServing):
         opened = starts_in_reasoning(self.reasoning_parser or "qwen3", prompt)
         closed = trailing[-1].get("status") != "incomplete"
         return ("" if opened else THINK_START) + text + (THINK_END + "\n\n" if closed else "")
-
-    def logprobs_of(self, req: ResponsesRequest, entries: list[dict[int, float]] | None,
-                  token_ids: list[int]) -> list[dict] | None:  # fmt: skip
-        """OpenAI's ``logprobs`` of output text: per token its text, bytes, logprob and the top
-        ``top_logprobs``."""
-        if entries is None:
-            return None
-
-        def item(token_id: int, logprob: float) -> dict:
-            text = self.token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-        k = req.top_logprobs or 0
-        out = []
-        for entry, token in zip(entries, token_ids):
-            top = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:k]
-            out.append({**item(token, entry[token]), "top_logprobs": [item(*t) for t in top]})
-        return out
 
 
 def _text_format(

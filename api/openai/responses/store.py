@@ -10,10 +10,10 @@ A record holds one response's delta, never its whole conversation::
     prompt(r) = (prompt(parent) + parent's output ids)[:spliced] + r's ids delta
                 (spliced None: the prompt is r's own, a re-rendered or truncated one)
 
-``ResponseStore.chain(id, namespaces)`` returns the records from the root to ``id``; the serving
-rebuilds the conversation from them (``StoredResponse``). So a 50-turn conversation holds each
-turn once, and ``nbytes`` counts exactly the bytes records hold (their JSON, text and 4 bytes per
-token id).
+``ResponseStore.chain(id, namespaces)`` returns the records from the root to ``id``;
+``conversation`` rebuilds the response with its whole conversation from them (``StoredResponse``).
+So a 50-turn conversation holds each turn once, and ``nbytes`` counts exactly the bytes records
+hold (their JSON, text and 4 bytes per token id).
 
 Invariants:
 - A record is visible only in its ``namespace`` (a tenant's store namespace, or a WebSocket
@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from prefixserve.api.openai.responses.continuation import output_text
 from prefixserve.api.openai.responses.store_file import StoreFile
 from prefixserve.core.errors import InvalidArgumentError
 
@@ -188,6 +189,44 @@ class ResponseStore:
         for r in chain:
             self._records.move_to_end(r.id)
         return chain[::-1]
+
+    def conversation(self, response_id: str, namespaces: tuple[str, ...],
+                     tokenizer: Any) -> StoredResponse | None:  # fmt: skip
+        """``response_id`` with its whole conversation, rebuilt from its ``chain`` (None when
+        ``chain`` is); ``tokenizer`` spells the output ids a continuation spliced
+        (``continuation.output_text``). Walking the records root first::
+
+            items(r) = r's new items                                    (a root)
+                     = items(parent) + parent's output items + r's new items
+            text(r)  = None                        (r's prompt not known: loaded after a restart)
+                     = r's text delta                                   (spliced None)
+                     = text(parent) + output_text(kept) + r's text delta  (None if text(parent))
+            ids(r)   = r's ids delta                                    (spliced None)
+                     = ids(parent) + kept + r's ids delta
+            kept     = parent's output ids[:spliced - len(ids(parent))]
+
+        Invariant: a ``prompt_text`` spells its ``prompt_token_ids`` as the template wrote them
+        (the ids mean nothing when it is None: the next turn renders again)."""
+        chain = self.chain(response_id, namespaces)
+        if chain is None:
+            return None
+        items: list[dict[str, Any]] = []
+        outputs: list[dict[str, Any]] = []
+        text: str | None = None
+        ids, out_ids = array("i"), array("i")
+        for r in chain:
+            items = r.new_items if r.parent is None else items + outputs + r.new_items
+            if not r.prompt_known:
+                text = None
+            elif r.spliced is None:
+                text, ids = r.text_delta, r.ids_delta
+            elif text is not None:
+                kept = out_ids[: r.spliced - len(ids)]
+                text = text + output_text(tokenizer, kept) + r.text_delta
+                ids = ids + kept + r.ids_delta
+            outputs, out_ids = r.output_items, r.output_ids
+        body = {**chain[-1].response, "output": outputs}
+        return StoredResponse(body, items, outputs, text, ids, out_ids)
 
     async def delete(self, response_id: str, namespace: str) -> bool:
         """Delete a record and its descendants: True once done (and, with a file, once their

@@ -1,9 +1,13 @@
 """One response's lifecycle: its body at each stage, its typed events, and what the store keeps.
 
-Built by ``ResponsesServing.start`` once the request's engine request is added. ``events`` numbers
-every event from 0 (``sequence_number``): ``response.created``, ``response.in_progress``, the
-output's events (``output``), then ``response.completed`` / ``response.incomplete``, or
-``response.failed`` with the error. The response is stored (``store``, or on its WebSocket
+Built by ``ResponsesServing.start`` once the request's engine request is added, from values: the
+request, its owner (``TurnOwner``), the items and prompt it renders, its engine inputs and its
+``ResponseOutput``, and what every turn of the server shares (``TurnServices``: the store, the
+tool-call retention, the engine's abort, what reads an output). It never reaches back into the
+serving. ``events`` numbers every event from 0 (``sequence_number``): ``response.created``,
+``response.in_progress``, the output's events (``output``), then ``response.completed`` /
+``response.incomplete``, or ``response.failed`` with the error; ``complete`` feeds a whole
+reply once through the same output. The response is stored (``store``, or on its WebSocket
 connection) before its terminal event or its body is sent: with a store file, committed to it,
 so an acknowledged response survives a kill -9; a response the store could not keep (a failed
 write, larger than a bound) is sent with ``store: false``.
@@ -11,45 +15,73 @@ write, larger than a bound) is sent with ``store: false``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import time
 from array import array
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from prefixserve.api.engine_client import RequestStream
-from prefixserve.api.frontend.inputs import EngineInputs
+from prefixserve.api.frontend.inputs import EngineInputs, visible_text
 from prefixserve.api.frontend.protocol import APIError
+from prefixserve.api.frontend.serving import abort_unfinished
 from prefixserve.api.frontend.stream import DeltaTracker, drive
 from prefixserve.api.frontend.tenancy import Tenant
+from prefixserve.api.frontend.tool_call_retention import ToolCallRetention
 from prefixserve.api.openai.responses.continuation import Prompt
 from prefixserve.api.openai.responses.output import ResponseOutput
 from prefixserve.api.openai.responses.protocol import ResponsesRequest
-from prefixserve.api.openai.responses.store import Record
+from prefixserve.api.openai.responses.store import Record, ResponseStore
+from prefixserve.api.parsing.reasoning import count_reasoning_tokens
 from prefixserve.api.parsing.reply import Finish
 from prefixserve.core.outputs import CompletionOutput, RequestOutput
-
-if TYPE_CHECKING:
-    from prefixserve.api.openai.responses.serving import ResponsesServing
 
 LOGPROBS = "message.output_text.logprobs"
 
 
+@dataclass(frozen=True, slots=True)
+class TurnOwner:
+    """Whose response a turn is and what it continues: ``connection``, its WebSocket
+    connection's store namespace (None over HTTP); ``parent``, the stored response it continues
+    (None for a new conversation or a truncated one, whose record then holds all its items);
+    ``history``, how many of the turn's items came from ``parent``'s conversation."""
+
+    tenant: Tenant
+    connection: str | None
+    parent: str | None
+    history: int
+
+
+@dataclass(frozen=True, slots=True)
+class TurnServices:
+    """What every turn of one server shares, each as narrow as a turn needs: ``store`` keeps
+    finished responses; ``retention`` keeps the KV of a reply that paused on a tool call;
+    ``abort`` ends an engine request (``EngineClient.abort``); ``tokenizer`` counts reasoning
+    tokens; ``eos_texts`` are the EOS texts tool modes keep (``visible_text``); ``token_text``
+    spells a token in its logprobs."""
+
+    store: ResponseStore
+    retention: ToolCallRetention
+    abort: Callable[[str], None]
+    tokenizer: Any
+    eos_texts: tuple[str, ...]
+    token_text: Callable[[int], str]
+
+
 class ResponseTurn:
     """One request's response: its body at each stage, its stream, and what the store keeps.
-    ``owner``: (its tenant, its WebSocket connection's namespace or None, the stored response it
-    continues: None for a new conversation or a truncated one, whose record holds all its
-    items; how many of ``items`` came from it); ``shape``: (its engine inputs, a maker of the output's fresh ``ResponseOutput``)."""
+    ``items``: the conversation's input items ``prompt`` renders; ``inputs``: its engine
+    inputs; ``output``: its output, fed by ``events`` or ``complete`` (one of them, once)."""
 
-    def __init__(self, serving: ResponsesServing, req: ResponsesRequest, response_id: str,
-                 model: str, owner: tuple[Tenant, str | None, str | None, int], items: list[dict],
-                 prompt: Prompt,
-                 shape: tuple[EngineInputs, Callable[[], ResponseOutput]]) -> None:  # fmt: skip
-        self.serving, self.req, self.id, self.model = serving, req, response_id, model
-        self.tenant, self.connection, self.parent, self.history = owner
+    def __init__(self, req: ResponsesRequest, response_id: str, model: str, owner: TurnOwner,
+                 items: list[dict], prompt: Prompt, inputs: EngineInputs,
+                 output: ResponseOutput, services: TurnServices) -> None:  # fmt: skip
+        self.req, self.id, self.model, self.owner = req, response_id, model, owner
         self.items, self.prompt = items, prompt
-        self.inputs, self.output = shape
+        self.inputs, self.output, self.services = inputs, output, services
         self.fmt = (req.text or {}).get("format") or {"type": "text"}
         self.headers: dict[str, str] = {}  # what was asked for and not honoured
         self.created_at = int(time.time())
@@ -77,13 +109,19 @@ class ResponseTurn:
             "usage": usage, "user": req.user, "metadata": req.metadata or {}, **extra,
         }  # fmt: skip
 
-    async def complete(self, final: RequestOutput, output: ResponseOutput) -> dict:
-        """The finished response's body, once stored (``stored``)."""
-        return await self.stored(*self.finished(final, output))
-
-    def finished(self, final: RequestOutput, output: ResponseOutput) -> tuple[dict, list[int]]:
-        """The finished response's body and its generated token ids (not stored yet)."""
+    async def complete(self, final: RequestOutput) -> dict:
+        """The body of a whole (not streamed) reply, once stored (``stored``): its text is fed
+        once through the output, as a stream feeds it in pieces."""
         c = final.outputs[0]
+        if self.req.generate:
+            self.output.feed(self._visible_text(c), self._logprobs(c.logprobs, c.token_ids),
+                             Finish(c.finish_reason, c.stop_reason))  # fmt: skip
+            self.output.finish(self.status(c))
+        return await self.stored(*self.finished(final))
+
+    def finished(self, final: RequestOutput) -> tuple[dict, list[int]]:
+        """The finished response's body and its generated token ids (not stored yet)."""
+        c, output = final.outputs[0], self.output
         status = self.status(c)
         extra: dict[str, Any] = {}
         if status == "incomplete":
@@ -94,31 +132,32 @@ class ResponseTurn:
         if self.req.generate:
             call = next((i["call_id"] for i in output.items
                          if i.get("type") in ("function_call", "custom_tool_call")), None)  # fmt: skip
-            self.serving.tool_calls.paused(self.inputs, c, call)
-        reasoning = self.serving.reasoning_tokens(generated, output.reasoning)
+            self.services.retention.paused(self.inputs, c, call)
+        reasoning = count_reasoning_tokens(self.services.tokenizer, generated, output.reasoning)
         body = self.body(status, output.items, _usage(final, len(generated), reasoning), **extra)
         return body, generated
 
     async def stored(self, body: dict, generated: list[int]) -> dict:
         """``body`` once the store kept it when the request asked for that (``store``; on a
         WebSocket connection, its own); with ``store: false`` when the store could not."""
-        namespace = self.tenant.namespace(self.req.cache_salt) if self.req.store else (
-            self.connection)  # fmt: skip
+        owner = self.owner
+        namespace = owner.tenant.namespace(self.req.cache_salt) if self.req.store else (
+            owner.connection)  # fmt: skip
         if namespace is None:
             return body
         record = self._record(namespace, body, generated)
-        if await self.serving.store.put(record, self.items) or not self.req.store:
+        if await self.services.store.put(record, self.items) or not self.req.store:
             return body
         return {**body, "store": False}
 
     def _record(self, namespace: str, body: dict, generated: list[int]) -> Record:
         """What the store keeps of this response: its delta over ``parent`` (``store``)."""
-        prompt, parent = self.prompt, self.parent
-        new_items = self.items if parent is None else self.items[self.history :]
+        prompt, parent = self.prompt, self.owner.parent
+        new_items = self.items if parent is None else self.items[self.owner.history :]
         spliced = prompt.spliced if parent is not None else None
         start = prompt.spliced_text if spliced is not None else 0
         return Record(
-            self.id, namespace, self.tenant.owner, parent,
+            self.id, namespace, self.owner.tenant.owner, parent,
             {k: v for k, v in body.items() if k != "output"}, new_items, body["output"],
             spliced, prompt.text[start:], array("i", prompt.token_ids[spliced or 0 :]),
             array("i", generated), persist=self.req.store,
@@ -133,8 +172,7 @@ class ResponseTurn:
         """The stream's events, numbered from 0: created, in_progress, the output's events, then
         completed, incomplete or failed (a ``generate: false`` warm-up has no output events).
         However it ends, the engine request ends with it (``stream.drive``)."""
-        serving, numbers = self.serving, itertools.count()
-        output, tracker = self.output(), DeltaTracker()
+        numbers, output, tracker = itertools.count(), self.output, DeltaTracker()
         finished: list[tuple[dict, list[int]]] = []  # the finished body, until it is stored
 
         def event(body: dict) -> dict:
@@ -144,44 +182,68 @@ class ResponseTurn:
             if out is None:
                 return []
             c, events = out.outputs[0], []
-            d = tracker.delta(0, c, serving.visible_text(c, self.inputs.mode))
+            d = tracker.delta(0, c, self._visible_text(c))
             if d is not None and self.req.generate:
                 done = d.finish_reason is not None
-                logprobs = serving.logprobs_of(self.req, d.logprobs, d.token_ids)
+                logprobs = self._logprobs(d.logprobs, d.token_ids)
                 finish = Finish(c.finish_reason, c.stop_reason) if done else None
                 events = output.feed(d.text, logprobs, finish)
                 if done:
                     events += output.finish(self.status(c))
             if out.finished:
-                finished.append(self.finished(out, output))
+                finished.append(self.finished(out))
             return [event(e) for e in events]
 
         def failed(exc: APIError) -> list[dict]:
             finished.clear()
-            return [event(self._failed(output, exc))]
+            return [event(self._failed(exc))]
 
         start = self.body("in_progress", [])
         opening = [event({"type": "response.created", "response": start}),
                    event({"type": "response.in_progress", "response": start})]  # fmt: skip
-        async for body in drive(streams, serving.abort_all, on_output, failed, first=opening):
+        abort = functools.partial(abort_unfinished, self.services.abort)
+        async for body in drive(streams, abort, on_output, failed, first=opening):
             yield body
         if finished:  # the terminal event once the response is stored
             body = await self.stored(*finished[0])
             yield event({"type": f"response.{body['status']}", "response": body})
 
-    def _failed(self, output: ResponseOutput, exc: APIError) -> dict:
+    def _failed(self, exc: APIError) -> dict:
         code = "server_error" if exc.status == 500 and exc.err_type is None else exc.type
         error = {"code": code, "message": exc.message}
         return {"type": "response.failed",
-                "response": self.body("failed", output.items, error=error)}  # fmt: skip
+                "response": self.body("failed", self.output.items, error=error)}  # fmt: skip
+
+    def _visible_text(self, c: CompletionOutput) -> str:
+        return visible_text(c, self.inputs.mode, self.services.eos_texts)
+
+    def _logprobs(self, entries: list[dict[int, float]] | None,
+                  token_ids: list[int]) -> list[dict] | None:  # fmt: skip
+        """OpenAI's ``logprobs`` of output text: per token its text, bytes, logprob and the top
+        ``top_logprobs``."""
+        if entries is None:
+            return None
+
+        def item(token_id: int, logprob: float) -> dict:
+            text = self.services.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        k = self.req.top_logprobs or 0
+        out = []
+        for entry, token in zip(entries, token_ids):
+            top = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:k]
+            out.append({**item(token, entry[token]), "top_logprobs": [item(*t) for t in top]})
+        return out
 
 
 def _usage(final: RequestOutput, generated: int, reasoning: int) -> dict:
     prompt = len(final.prompt_token_ids)
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": final.num_cached_tokens,
-                                 "reused_segment_tokens": final.num_reused_segment_tokens},
+        "input_tokens_details": {
+            "cached_tokens": final.num_cached_tokens,
+            "reused_segment_tokens": final.num_reused_segment_tokens,
+        },
         "output_tokens": generated,
         "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": prompt + generated,
