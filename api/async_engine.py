@@ -43,6 +43,7 @@ from dataclasses import replace
 from typing import Any
 
 from prefixserve.api.engine_client import (
+    EngineClient,
     EngineDeadError,
     EngineOverloadedError,
     RequestStream,
@@ -58,7 +59,7 @@ from prefixserve.kv.retention import KVRetention
 logger = logging.getLogger(__name__)
 
 
-class AsyncEngine:
+class AsyncEngine(EngineClient):
     """Owner of the engine thread. ``observer(progress, now)`` (``OutputProcessor.observer``:
     every touched request's progress, each step) runs on that thread;
     ``on_death(exc)`` runs on the event loop once the engine loop died."""
@@ -183,7 +184,8 @@ class AsyncEngine:
         """
         if self.dead is not None:
             raise EngineDeadError(f"the engine is not running: {self.dead!r}")
-        stream = RequestStream.create(request_id, timeout)
+        asked = prompt.params if isinstance(prompt, PreparedRequest) else params or SamplingParams()
+        stream = RequestStream.create(request_id, timeout, asked.output_kind)
         with self._cond:
             self._adds.append((stream, prompt, params))
             self._cond.notify()

@@ -1,17 +1,22 @@
 """``EngineClient``: everything the protocol fronts (chat and text completions, Responses,
 Messages) may ask of an engine. They depend on this protocol only; ``AsyncEngine`` (one engine
 thread in this process) and the scale-out ``RemoteEngine`` (engine replicas on Ray Serve)
-implement it. What both hand out and raise lives here with the protocol, so neither imports the
-other: ``RequestStream`` and the errors (``EngineDeadError``, ``EngineOverloadedError`` 503,
+implement it, as subclasses (``generate`` is written once, here, over ``admit``, ``add`` and
+``abort``). What both hand out and raise lives here with the protocol, so neither imports the
+other: ``RequestStream``, ``Generation`` and the errors (``EngineDeadError``, ``EngineOverloadedError`` 503,
 ``RequestTimeoutError`` 408, ``RequestFailedError`` 500).
 
 ::
 
     handler ── prepare(prompt, params) ──> PreparedRequest   (tokenized, validated, grammar submitted;
             │                                                  raises a typed 4xx error)
-            ├─ admit(count)                                    (503 when the queue is full)
-            ├─ add(request_id, prepared, timeout=) ──> RequestStream of cumulative RequestOutputs
-            ├─ abort(request_id)                               (client gone, error, timeout)
+            ├─ generate(request_id, [prepared]) ──> Generation (admit, then add each prompt;
+            │       async for (prompt index, output)         outputs in the params' output kind;
+            │       close()                                  aborts what did not finish)
+            │   built on the primitives:
+            │   admit(count)                                  (503 when the queue is full)
+            │   add(request_id, prepared, timeout=) ──> RequestStream of one request's outputs
+            │   abort(request_id)                             (client gone, error, timeout)
             └─ retain_kv / release_kv / resume_kv              (retention outside a request)
 
 Invariants every implementation keeps: ``add`` returns once the engine accepted the request or
@@ -23,12 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prefixserve.api.frontend.protocol import APIError
 from prefixserve.core.outputs import RequestOutput
+from prefixserve.core.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
     from prefixserve.core.sampling_params import BeamSearchParams, SamplingParams
@@ -88,12 +95,20 @@ class RequestStream:
     finished: bool = False
     deadline: float | None = None
     timeout: float | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     @classmethod
-    def create(cls, request_id: str, timeout: float | None = None) -> RequestStream:
+    def create(
+        cls,
+        request_id: str,
+        timeout: float | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+    ) -> RequestStream:
         """A stream whose ``accepted`` future belongs to the running loop; with ``timeout``
-        (seconds from now) it raises ``RequestTimeoutError`` once that passes."""
+        (seconds from now) it raises ``RequestTimeoutError`` once that passes. ``output_kind``:
+        the request's."""
         stream = cls(request_id, asyncio.get_running_loop().create_future())
+        stream.output_kind = output_kind
         if timeout is not None:
             stream.deadline, stream.timeout = time.monotonic() + timeout, timeout
         return stream
@@ -111,8 +126,6 @@ class RequestStream:
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:
             item = await self._next()
-            while not self.queue.empty() and isinstance(item, RequestOutput) and not item.finished:
-                item = self.queue.get_nowait()  # outputs are cumulative: skip to the latest
             if isinstance(item, RequestOutput) and item.finished and item.error is not None:
                 item = RequestFailedError(f"the engine failed this request: {item.error}")
             if isinstance(item, BaseException):
@@ -131,6 +144,88 @@ class RequestStream:
                 f"the request ran longer than the server's request timeout ({self.timeout:g} s) "
                 "and was aborted; ask for fewer tokens (max_tokens, n) or retry later"
             ) from None
+
+
+class Generation:
+    """The engine requests of one API request (one per prompt), read as one stream.
+
+    ``next()`` (or ``async for``) gives ``(prompt index, output)`` as outputs come, in the kind
+    the requests asked for (``RequestOutputKind``); several outputs of one request that arrived
+    together come as one (DELTA ones added up, ``RequestOutput.add``; of CUMULATIVE ones the
+    latest). It ends once every request finished, and raises the first error a request ended
+    with. Invariant: whoever holds a Generation closes it (``close``, or leaving ``async with``),
+    and closing aborts every request not finished, however the reading ended.
+    """
+
+    def __init__(self, engine: EngineClient, streams: list[RequestStream]) -> None:
+        self.engine, self.streams = engine, streams
+        self._ready: deque[tuple[int, RequestOutput | BaseException]] = deque()
+        self._wake = asyncio.Event()
+        self._remaining = len(streams)
+        self._pumps: list[asyncio.Task] | None = None  # started by the first read
+
+    async def _pump(self, index: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                self._ready.append((index, out))
+                self._wake.set()
+        except Exception as exc:  # the request's error, after its outputs
+            self._ready.append((index, exc))
+            self._wake.set()
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        item = await self.next()
+        while item is None:
+            item = await self.next()
+        return item
+
+    async def next(self, timeout: float | None = None) -> tuple[int, RequestOutput] | None:
+        """The next output; None after ``timeout`` seconds without one. Raises
+        ``StopAsyncIteration`` once every request finished."""
+        if self._remaining == 0:
+            raise StopAsyncIteration
+        if self._pumps is None:
+            self._pumps = [
+                asyncio.create_task(self._pump(i, s)) for i, s in enumerate(self.streams)
+            ]
+        while not self._ready:
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except asyncio.TimeoutError:
+                return None
+        index, item = self._ready.popleft()
+        delta = self.streams[index].output_kind is RequestOutputKind.DELTA
+        while (
+            isinstance(item, RequestOutput)
+            and not item.finished
+            and self._ready
+            and self._ready[0][0] == index
+            and isinstance(later := self._ready[0][1], RequestOutput)
+        ):
+            self._ready.popleft()
+            item = item.add(later) if delta else later
+        if isinstance(item, BaseException):
+            raise item
+        self._remaining -= item.finished
+        return index, item
+
+    def close(self) -> None:
+        """Stop reading and abort every request not finished (idempotent)."""
+        for pump in self._pumps or ():
+            pump.cancel()
+        for stream in self.streams:
+            if not stream.finished:
+                self.engine.abort(stream.request_id)
+
+    async def __aenter__(self) -> Generation:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 class EngineClient(Protocol):
@@ -172,6 +267,29 @@ class EngineClient(Protocol):
 
     def fail_all(self, error: BaseException) -> None:
         """End every live request with ``error`` (the end of a shutdown drain)."""
+
+    async def generate(
+        self,
+        request_id: str,
+        prompts: list[PreparedRequest],
+        *,
+        timeout: float | None = None,
+        routing_key: str | None = None,
+    ) -> Generation:
+        """Admit and add one engine request per prompt (``<request_id>-<i>``), all or none: a
+        refusal (503, or the error a request was refused with) aborts those added and raises.
+        ``timeout`` and ``routing_key``: ``add``'s."""
+        self.admit(len(prompts))
+        streams: list[RequestStream] = []
+        try:
+            for i, prepared in enumerate(prompts):
+                streams.append(await self.add(f"{request_id}-{i}", prepared, timeout=timeout,
+                                              routing_key=routing_key))  # fmt: skip
+        except BaseException:
+            for stream in streams:
+                self.abort(stream.request_id)
+            raise
+        return Generation(self, streams)
 
     async def retain_kv(
         self, token_ids: list[int], retention: KVRetention, cache_salt: str | None

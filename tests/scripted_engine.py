@@ -2,7 +2,7 @@
 with exact model output (a random-weight model never writes a given tool call).
 
 ``ScriptedEngine(tokenizer, replies)``: each added request takes the next reply, a list of text
-pieces streamed as cumulative outputs (the last one finishes with ``finish_reason``, "stop" by
+pieces streamed as outputs of the request's kind (the last one finishes with ``finish_reason``, "stop" by
 default, "length" when the reply is given as ``Reply(pieces, "length")``); it records every
 prompt and its parameters (``requests``); with ``overloaded`` every request is refused with a
 503. ``scripted_client(engine, **config)`` serves the real
@@ -20,9 +20,10 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from prefixserve.api.engine_client import EngineOverloadedError, RequestStream
+from prefixserve.api.engine_client import EngineClient, EngineOverloadedError, RequestStream
 from prefixserve.api.server import ServerConfig, build_app
 from prefixserve.core.outputs import CompletionOutput, RequestOutput
+from prefixserve.core.sampling_params import RequestOutputKind
 from prefixserve.models.builtin import builtin_tokenizer
 
 
@@ -34,7 +35,7 @@ class Reply:
 
 
 @dataclass
-class ScriptedEngine:
+class ScriptedEngine(EngineClient):
     tokenizer: Any = field(default_factory=builtin_tokenizer)
     replies: list[Reply | list[str]] = field(default_factory=list)
     model_name: str = "scripted"
@@ -82,14 +83,21 @@ class ScriptedEngine:
         self.routing_keys.append(routing_key)
         reply = self.replies.pop(0) if self.replies else Reply(["ok"])
         reply = reply if isinstance(reply, Reply) else Reply(reply)
-        stream = RequestStream.create(request_id)
+        kind = prepared.params.output_kind
+        stream = RequestStream.create(request_id, output_kind=kind)
         stream.settle_accepted(None)
-        text, prompt = "", prepared.prompt_token_ids
+        text, sent, prompt = "", (0, 0), prepared.prompt_token_ids
         for i, piece in enumerate(reply.pieces):
             text += piece
             last = i == len(reply.pieces) - 1
+            if kind is RequestOutputKind.FINAL_ONLY and not last:
+                continue
             ids = self.tokenizer.encode(text, add_special_tokens=False)
-            c = CompletionOutput(0, text, ids, finish_reason=reply.finish_reason if last else None,
+            new_text, new_ids = text, ids
+            if kind is RequestOutputKind.DELTA:
+                new_text, new_ids, sent = text[sent[0] :], ids[sent[1] :], (len(text), len(ids))
+            c = CompletionOutput(0, new_text, new_ids,
+                                 finish_reason=reply.finish_reason if last else None,
                                  stop_reason=reply.stop_reason if last else None)  # fmt: skip
             stream.queue.put_nowait(RequestOutput(request_id, None, prompt, [c], last))
         await asyncio.sleep(0)

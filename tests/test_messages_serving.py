@@ -13,10 +13,12 @@ import prefixserve.api.anthropic.messages as serving_messages
 from prefixserve.api.anthropic.messages import MessagesServing
 from prefixserve.api.anthropic.prompt import to_chat_request
 from prefixserve.api.anthropic.protocol import MessagesRequest
+from prefixserve.api.engine_client import Generation
 from prefixserve.api.frontend.inputs import EngineInputs
 from prefixserve.api.frontend.protocol import APIError, ToolRequest
 from prefixserve.api.parsing.reply import ToolMode
 from prefixserve.core.outputs import CompletionOutput, RequestOutput
+from prefixserve.core.sampling_params import RequestOutputKind
 
 PROMPT = list(range(40))
 
@@ -26,7 +28,9 @@ def serving(**options) -> MessagesServing:
 
 
 class FakeStream:
-    """Cumulative outputs, each after ``delay`` seconds; an exception item is raised."""
+    """DELTA outputs, each after ``delay`` seconds; an exception item is raised."""
+
+    output_kind = RequestOutputKind.DELTA
 
     def __init__(self, items: list, delay: float) -> None:
         self.items, self.delay = items, delay
@@ -52,7 +56,8 @@ def run_stream(items: list, delay: float) -> tuple[list[tuple[str, dict]], Messa
     inputs = EngineInputs(PROMPT, None, ToolMode.NONE, ToolRequest(), "")
 
     async def main() -> list[str]:
-        return [e async for e in messages._stream("msg_1", "m", [stream], inputs)]
+        generation = Generation(messages.engine, [stream])
+        return [e async for e in messages._stream("msg_1", "m", generation, inputs)]
 
     events = []
     for raw in asyncio.run(main()):
@@ -62,7 +67,7 @@ def run_stream(items: list, delay: float) -> tuple[list[tuple[str, dict]], Messa
 
 
 def test_stream_order_and_usage_split_in_message_start():
-    events, _ = run_stream([out("Hel", 1), out("Hello", 2, "stop")], delay=0.0)
+    events, _ = run_stream([out("Hel", 1), out("lo", 1, "stop")], delay=0.02)
     assert [k for k, _ in events] == [
         "message_start", "ping", "content_block_start", "content_block_delta",
         "content_block_delta", "content_block_stop", "message_delta", "message_stop",

@@ -91,3 +91,13 @@ def test_the_observer_sees_final_only_requests_every_step(llm):
         assert len({c for c in counts if c > 0}) > 1  # it progressed over several steps
         assert [p.finished for p in mine] == [False] * (len(mine) - 1) + [True]
         assert mine[-1].finish_reason == out.outputs[0].finish_reason
+
+
+def test_adding_the_deltas_gives_the_cumulative_outputs(llm):
+    whole = _run(llm, _sampling(RequestOutputKind.CUMULATIVE))
+    deltas = _run(llm, _sampling(RequestOutputKind.DELTA))
+    for rid, outs in deltas.items():
+        total = outs[0]
+        for out, expected in zip(outs[1:], whole[rid][1:]):
+            total = total.add(out)
+            assert total.outputs == expected.outputs and total.finished == expected.finished

@@ -53,7 +53,8 @@ def run(retention: ToolCallRetention, *steps) -> None:
 def test_a_call_at_the_end_of_a_reply_retains_prompt_and_reply_under_its_session():
     engine = RecordingEngine()
     r = ToolCallRetention(engine)
-    run(r, lambda: r.paused(inputs(), output(), "call_1"))
+    c = output()
+    run(r, lambda: r.paused(inputs(), c.token_ids, c.finish_reason, "call_1"))
     ((kind, ids, retention, salt),) = engine.calls
     assert (kind, ids, salt) == ("retain", [1, 2, 3, 7, 8], "s")
     assert retention.ttl_s is None and retention.session == session_of("s", "call_1") == "s/call_1"
@@ -67,7 +68,8 @@ def test_a_call_at_the_end_of_a_reply_retains_prompt_and_reply_under_its_session
 def test_nothing_is_retained_without_a_finished_call_or_when_off(call_id, reason, enabled):
     engine = RecordingEngine()
     r = ToolCallRetention(engine, enabled)
-    run(r, lambda: r.paused(inputs(), output(reason), call_id))
+    c = output(reason)
+    run(r, lambda: r.paused(inputs(), c.token_ids, c.finish_reason, call_id))
     assert engine.calls == []
 
 

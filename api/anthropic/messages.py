@@ -10,7 +10,7 @@ content blocks (``blocks``), ``stop_reason``, usage in cache terms, and the even
     stop_sequence, final usage) -> message_stop
 
 with a ``ping`` every ``PING_INTERVAL_S`` of silence, and an ``error`` event if it fails midway
-(``stream.drive``). ``message_start`` waits for the request's first output (at most
+(the request's deltas pulled from its ``Generation``). ``message_start`` waits for the request's first output (at most
 ``FIRST_OUTPUT_WAIT_S``) so that its usage already splits the prompt by the cache (Claude Code
 reads usage there); after a longer wait it counts the whole prompt as ``input_tokens`` and
 ``message_delta`` carries the split (cumulative totals, as Anthropic's do).
@@ -42,9 +42,11 @@ from prefixserve.api.anthropic.protocol import (
     MessagesUsage,
     anthropic_error,
 )
+from prefixserve.api.engine_client import Generation
 from prefixserve.api.frontend.inputs import EngineInputs, TemplateServing
 from prefixserve.api.frontend.protocol import APIError, ToolRequest, random_id
-from prefixserve.api.frontend.stream import DeltaTracker, drive, event_stream
+from prefixserve.api.frontend.request import GenerationRequest
+from prefixserve.api.frontend.stream import ChoiceTotals, as_api_error, event_stream
 from prefixserve.api.frontend.structured_outputs import structured_outputs_of
 from prefixserve.api.frontend.tenancy import tenant_of
 from prefixserve.api.frontend.thinking_budget import BudgetedStream
@@ -57,13 +59,16 @@ FIRST_OUTPUT_WAIT_S = 30.0
 
 
 def usage_of(out: RequestOutput, block_size: int | None,
-             marks: tuple[tuple[int, float], ...] = ()) -> MessagesUsage:  # fmt: skip
+             marks: tuple[tuple[int, float], ...] = (), output_tokens: int | None = None
+             ) -> MessagesUsage:  # fmt: skip
     """The prompt split by the prefix cache (``cache_control.split_usage``). ``block_size``: of
     the prefix cache, None when it is off; ``marks``: (position, TTL) of each breakpoint, each
-    counted as far as the engine retained it (``out.kv_retained_tokens``)."""
+    counted as far as the engine retained it (``out.kv_retained_tokens``); ``output_tokens``:
+    the reply's so far (default: ``out``'s, a whole output)."""
+    if output_tokens is None:
+        output_tokens = sum(len(c.token_ids) for c in out.outputs)
     return split_usage(len(out.prompt_token_ids), out.num_cached_tokens, list(marks),
-                       block_size, sum(len(c.token_ids) for c in out.outputs),
-                       out.kv_retained_tokens)  # fmt: skip
+                       block_size, output_tokens, out.kv_retained_tokens)  # fmt: skip
 
 
 def stop_reason_of(c: CompletionOutput, called: bool) -> tuple[str | None, str | None]:
@@ -142,31 +147,32 @@ class MessagesServing(TemplateServing):
         prompt, marks = await asyncio.to_thread(self._render_marked, req, chat_req, tools.tools)
         structured = structured_outputs_of(chat_req)
         tenant = tenant_of(raw_request)
-        inputs = self.inputs(prompt, tools, chat_req, req.max_tokens, structured=structured,
-                             tenant=tenant)  # fmt: skip
-        inputs.params.kv_retention = retentions(
-            marks, tenant.namespace(req.cache_salt), tenant.owner
-        )
+        retention = retentions(marks, tenant.namespace(req.cache_salt), tenant.owner)
+        inputs = self.prepare(GenerationRequest(prompt, tools, req.sampling_options(),
+                                                req.max_tokens, structured, tenant=tenant,
+                                                retention=retention))  # fmt: skip
         message_id = random_id("msg_")
         results = [m["tool_call_id"] for m in chat_req.messages if m.get("role") == "tool"]
-        streams = await self.add_all(message_id, [prompt], [inputs.params], "messages",
-                                     inputs.grammar_source)  # fmt: skip
-        with self.owned(streams):
+        thinking = req.thinking or {}
+        budgeted = thinking.get("type") == "enabled"  # read as it comes: deltas
+        generation = await self.generate(message_id, [prompt], [inputs.params], "messages",
+                                         inputs.grammar_source, stream=req.stream or budgeted)  # fmt: skip
+        with self.owned(generation):
             self.tool_calls.resumed(inputs, results)
-            thinking = req.thinking or {}
-            if thinking.get("type") == "enabled":
-                streams = [BudgetedStream(self.engine, streams[0], prompt, inputs.params,
-                                          thinking["budget_tokens"],
-                                          self.reasoning_parser or "qwen3", inputs.prompt_tail,
-                                          self.request_timeout)]  # fmt: skip
+            if budgeted:
+                generation = Generation(self.engine, [BudgetedStream(
+                    self.engine, generation.streams[0], prompt, inputs.params,
+                    thinking["budget_tokens"], self.reasoning_parser or "qwen3",
+                    inputs.prompt_tail, self.request_timeout,
+                )])  # fmt: skip
             if req.stream:
-                return event_stream(self._stream(message_id, model, streams, inputs, marks))
-        final = (await self.collect(raw_request, streams))[0]
+                return event_stream(self._stream(message_id, model, generation, inputs, marks))
+        final = (await self.collect(raw_request, generation))[0]
         c = final.outputs[0]
         blocks = BlockEvents(self.reply_parser(inputs))
         content = content_of(blocks.feed(self.visible_text(c, inputs.mode), _finish(c)))
         reason, sequence = stop_reason_of(c, blocks.has_calls)
-        self.tool_calls.paused(inputs, c, blocks.first_call)
+        self.tool_calls.paused(inputs, c.token_ids, c.finish_reason, blocks.first_call)
         return MessagesResponse(
             id=message_id, model=model, content=content, stop_reason=reason,
             stop_sequence=sequence, usage=usage_of(final, self.block_size, marks),
@@ -192,38 +198,45 @@ class MessagesServing(TemplateServing):
         return dataclasses.replace(tools, choice="named", name=spec["name"],
                                    grammar_tools=[{"type": "function", "function": function}])  # fmt: skip
 
-    def _stream(self, message_id: str, model: str, streams, inputs: EngineInputs,
-                marks: tuple[tuple[int, float], ...] = ()) -> AsyncIterator[str]:  # fmt: skip
-        tracker, blocks = DeltaTracker(), BlockEvents(self.reply_parser(inputs))
-        started = False
+    async def _stream(self, message_id: str, model: str, generation: Generation,
+                      inputs: EngineInputs, marks: tuple[tuple[int, float], ...] = ()
+                      ) -> AsyncIterator[str]:  # fmt: skip
+        blocks, totals = BlockEvents(self.reply_parser(inputs)), ChoiceTotals()
 
-        def events(_: int, out: RequestOutput | None) -> list[str]:
-            nonlocal started
-            head = []
-            if not started:
-                started = True
-                head = [self._message_start(message_id, model, out, len(inputs.prompt_token_ids),
-                                            marks), event("ping", {})]  # fmt: skip
-            if out is None:
-                return head + ([event("ping", {})] if len(head) == 0 else [])
+        def events(out: RequestOutput) -> list[str]:
             c = out.outputs[0]
-            d = tracker.delta(c.index, c, self.visible_text(c, inputs.mode))
-            finish = _finish(c) if d is not None and d.finish_reason is not None else None
-            body = blocks.feed(d.text, finish) if d is not None else []
+            totals.add(0, c)
+            text = self.visible_text(c, inputs.mode)
+            finish = _finish(c) if c.finish_reason is not None else None
+            body = blocks.feed(text, finish) if text or finish else []
             if out.finished:
                 reason, sequence = stop_reason_of(c, blocks.has_calls)
-                self.tool_calls.paused(inputs, c, blocks.first_call)
+                self.tool_calls.paused(inputs, totals.token_ids(0), c.finish_reason,
+                                       blocks.first_call)  # fmt: skip
+                usage = usage_of(out, self.block_size, marks, totals.num_tokens())
                 body.append(("message_delta", {
                     "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                    "usage": usage_of(out, self.block_size, marks).model_dump()}))  # fmt: skip
+                    "usage": usage.model_dump()}))  # fmt: skip
                 body.append(("message_stop", {}))
-            return head + [event(kind, b) for kind, b in body]
+            return [event(kind, b) for kind, b in body]
 
-        def error(exc) -> list[str]:
-            return [event("error", {"error": anthropic_error(exc)[1]["error"]})]
-
-        return drive(streams, self.abort_all, events, error, idle_s=PING_INTERVAL_S,
-                     first_idle_s=FIRST_OUTPUT_WAIT_S)  # fmt: skip
+        async with generation:
+            try:
+                item = await generation.next(FIRST_OUTPUT_WAIT_S)
+                first = item[1] if item is not None else None
+                yield self._message_start(message_id, model, first,
+                                          len(inputs.prompt_token_ids), marks)  # fmt: skip
+                yield event("ping", {})
+                while True:
+                    for line in events(item[1]) if item is not None else ():
+                        yield line
+                    item = await generation.next(PING_INTERVAL_S)
+                    if item is None:  # silence
+                        yield event("ping", {})
+            except StopAsyncIteration:
+                pass
+            except Exception as exc:
+                yield event("error", {"error": anthropic_error(as_api_error(exc))[1]["error"]})
 
     def _message_start(self, message_id: str, model: str, out: RequestOutput | None,
                        num_prompt: int, marks: tuple[tuple[int, float], ...]) -> str:  # fmt: skip

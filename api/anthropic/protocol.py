@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, StrictBool
 
 from prefixserve.api.frontend.protocol import APIError, Lenient, random_id
+from prefixserve.api.frontend.request import SamplingOptions
 
 
 class AnthropicMessage(Lenient):
@@ -65,6 +66,12 @@ class MessagesRequest(CountTokensRequest):
             "max_tokens", "stream", "temperature", "top_p", "top_k", "seed", "min_p",
             "repetition_penalty", "ignore_eos", "min_tokens", "cache_salt",
             "segment_reuse"})  # fmt: skip
+
+    def sampling_options(self) -> SamplingOptions:
+        """This request's sampling fields, as the shared front half takes them."""
+        fields = self.sampling_fields()
+        del fields["max_tokens"], fields["stream"]
+        return SamplingOptions(**fields, stop=self.stop_sequences)
 
 
 class CacheCreation(BaseModel):

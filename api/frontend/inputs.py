@@ -9,7 +9,7 @@ the same way for all three::
     + format     --grammar---->  params | None    forced calls, a response format, or strict
                                                   auto calls (hermes); after the reasoning
     + sampling   --params----->  SamplingParams   special tokens kept in tool modes (tags)
-                                 = EngineInputs   -> add_all, then one ReplyParser per choice
+                                 = EngineInputs   -> generate, then one ReplyParser per choice
 
 Invariant: a request's grammar, tool mode, reasoning tags and parameters depend only on these
 inputs, never on the protocol, so the three protocols generate the same tokens for the same
@@ -25,6 +25,7 @@ from typing import Any
 
 from prefixserve.api.engine_client import EngineClient
 from prefixserve.api.frontend.protocol import APIError, ToolRequest
+from prefixserve.api.frontend.request import GenerationRequest
 from prefixserve.api.frontend.serving import BaseServing
 from prefixserve.api.frontend.tenancy import NO_TENANT, Tenant
 from prefixserve.api.frontend.tool_call_retention import ToolCallRetention
@@ -121,30 +122,21 @@ class TemplateServing(BaseServing):
         except InvalidArgumentError as exc:
             raise APIError(str(exc), 400, exc.param) from exc
 
-    def inputs(
-        self,
-        prompt_token_ids: list[int],
-        tools: ToolRequest,
-        sampling: Any,
-        max_tokens: int | None,
-        *,
-        structured: tuple[StructuredOutputsParams | None, str | None] = (None, None),
-        logprobs: int | None = None,
-        prompt_logprobs: int | None = None,
-        tenant: Tenant = NO_TENANT,
-    ) -> EngineInputs:
-        """The engine inputs of a request whose prompt is ``prompt_token_ids``: its tool mode,
-        grammar (``structured``: the response format and the field it came from; forced calls
-        replace it), reasoning tags and sampling parameters (``sampling``: the request's fields,
-        as ``make_params`` reads them, salted for ``tenant``)."""
+    def prepare(self, request: GenerationRequest) -> EngineInputs:
+        """The engine inputs of ``request``: its tool mode, grammar (the response format, or the
+        forced calls that replace it), reasoning tags and sampling parameters, salted for its
+        tenant, with its retention."""
+        tools, prompt = request.tools, request.prompt_token_ids
         mode = self.tool_mode(tools)
-        tail = self.engine.tokenizer.decode(prompt_token_ids[-PROMPT_TAIL_TOKENS:])
-        grammar, source = self._grammar(tools, mode, structured, reasoning_tags(
+        tail = self.engine.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:])
+        grammar, source = self._grammar(tools, mode, request.structured, reasoning_tags(
             self.reasoning_parser, tail))  # fmt: skip
-        params = self.make_params(sampling, max_tokens, logprobs, grammar, prompt_logprobs, tenant)
+        params = self.make_params(request.sampling, request.max_tokens, request.logprobs,
+                                  grammar, request.prompt_logprobs, request.tenant,
+                                  request.retention)  # fmt: skip
         if mode is not ToolMode.NONE and hasattr(params, "skip_special_tokens"):
             params.skip_special_tokens = False  # tool-call tags may be special tokens
-        return EngineInputs(prompt_token_ids, params, mode, tools, tail, source, tenant)
+        return EngineInputs(prompt, params, mode, tools, tail, source, request.tenant)
 
     def _grammar(
         self,

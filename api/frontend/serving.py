@@ -2,11 +2,10 @@
 admission, and collecting a non-streamed reply.
 
 A request becomes one or more engine requests (one per prompt), admitted whole or refused whole
-(503 when the waiting queue is full). Every check a client can fail runs before ``add_all``; every
-engine request a handler added is aborted when the handler ends before it finished (client gone,
-error, timeout, cancellation): between ``add_all`` and the reply taking the streams over, the
-handler holds them in ``owned`` (any exception aborts them); streams are driven by
-``stream.drive``.
+(503 when the waiting queue is full): one ``Generation``. Every check a client can fail runs
+before ``generate``; every engine request a handler added is aborted when the handler ends before
+it finished (client gone, error, timeout, cancellation): the handler closes the generation on any
+exception until the reply takes it over (``collect``, or a stream encoder's ``async with``).
 """
 
 from __future__ import annotations
@@ -14,17 +13,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import Request
 
-from prefixserve.api.engine_client import EngineClient, RequestStream
+from prefixserve.api.engine_client import EngineClient, Generation
 from prefixserve.api.frontend.protocol import APIError
+from prefixserve.api.frontend.request import SamplingOptions
 from prefixserve.api.frontend.tenancy import NO_TENANT, Tenant
 from prefixserve.core.errors import CacheCapacityError, InvalidArgumentError
 from prefixserve.core.outputs import RequestOutput
-from prefixserve.core.sampling_params import BeamSearchParams, SamplingParams
+from prefixserve.core.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from prefixserve.kv.retention import KVRetention
 from prefixserve.structured_outputs.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -91,15 +92,18 @@ class BaseServing:
 
     def make_params(
         self,
-        req,
+        req: SamplingOptions,
         max_tokens: int | None,
         logprobs: int | None,
         structured_outputs: StructuredOutputsParams | None = None,
         prompt_logprobs: int | None = None,
         tenant: Tenant = NO_TENANT,
+        kv_retention: tuple[KVRetention, ...] = (),
     ):
-        """Engine parameters of a request (the engine checks them against the context and the
-        vocabulary); its cache salt is the ``tenant``'s (``frontend.tenancy``)."""
+        """Engine parameters of a request's sampling options ``req`` (the engine checks them
+        against the context and the vocabulary); its cache salt is the ``tenant``'s
+        (``frontend.tenancy``); ``kv_retention``: the prompt KV it keeps (not with beam
+        search)."""
         if self.require_cache_salt and not req.cache_salt:
             raise APIError(
                 "cache_salt: this server requires a non-empty 'cache_salt' on every request "
@@ -110,6 +114,9 @@ class BaseServing:
         try:
             if req.use_beam_search:
                 self._check_beam_search(req, logprobs, prompt_logprobs)
+                if kv_retention:
+                    raise APIError("prompt_cache_retention: not supported with use_beam_search",
+                                   400, "prompt_cache_retention")  # fmt: skip
                 return BeamSearchParams(
                     beam_width=req.n,
                     max_tokens=max_tokens,
@@ -148,12 +155,15 @@ class BaseServing:
                 bad_words=req.bad_words,
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
                 segment_reuse=req.segment_reuse,
+                kv_retention=kv_retention,
             )
         except InvalidArgumentError as exc:
             raise APIError(str(exc), 400, exc.param) from exc
 
     @staticmethod
-    def _check_beam_search(req, logprobs: int | None, prompt_logprobs: int | None) -> None:
+    def _check_beam_search(
+        req: SamplingOptions, logprobs: int | None, prompt_logprobs: int | None
+    ) -> None:
         """Beam search scores with the raw model: options it would not honour are refused
         (sampling controls at values other than their neutral ones included; ``seed`` is
         accepted, the search being deterministic)."""
@@ -177,7 +187,7 @@ class BaseServing:
             if is_set:
                 raise APIError(f"{name}: not supported with use_beam_search", 400, name)
 
-    async def add_all(
+    async def generate(
         self,
         request_id: str,
         prompts: list[list[int]],
@@ -185,14 +195,20 @@ class BaseServing:
         prompt_param: str,
         grammar_param: str | None = None,
         routing_key: str | None = None,
-    ) -> list[RequestStream]:
+        stream: bool = False,
+    ) -> Generation:
         """Prepare every prompt (tokens, validation, grammar compiled once), then add one engine
-        request per prompt. A refusal is a 400 before anything is queued (the engine's "prompt"
-        parameter is reported as ``prompt_param``, a grammar that cannot compile as
-        ``grammar_param``); a later one aborts those added. ``routing_key``: ``EngineClient.add``.
+        request per prompt (``EngineClient.generate``), whose outputs are deltas when ``stream``,
+        else the final one only. A refusal is a 400 before anything is queued (the engine's
+        "prompt" parameter is reported as ``prompt_param``, a grammar that cannot compile as
+        ``grammar_param``); a later one aborts those added. ``routing_key``:
+        ``EngineClient.add``.
 
         Raises ``EngineOverloadedError`` (503) before adding anything when the queue is full.
         """
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        for params in params_list:
+            params.output_kind = kind
         try:
             prepared = [self.engine.prepare(p, params) for p, params in zip(prompts, params_list)]
             for request in prepared:
@@ -203,63 +219,51 @@ class BaseServing:
             if exc.param == "structured_outputs" and grammar_param is not None:
                 param = grammar_param
             raise APIError(str(exc), 400, param) from exc
-        self.engine.admit(len(prepared))
-        streams: list[RequestStream] = []
         try:
-            for i, request in enumerate(prepared):
-                stream = await self.engine.add(
-                    f"{request_id}-{i}", request, timeout=self.request_timeout,
-                    routing_key=routing_key,
-                )  # fmt: skip
-                streams.append(stream)
+            return await self.engine.generate(
+                request_id, prepared, timeout=self.request_timeout, routing_key=routing_key
+            )
         except (InvalidArgumentError, CacheCapacityError) as exc:
-            self.abort_all(streams)
             param = getattr(exc, "param", None)
             raise APIError(str(exc), 400, prompt_param if param == "prompt" else param) from exc
-        except BaseException:
-            self.abort_all(streams)
-            raise
-        return streams
 
-    def abort_all(self, streams: list[RequestStream]) -> None:
-        abort_unfinished(self.engine.abort, streams)
-
+    @staticmethod
     @contextlib.contextmanager
-    def owned(self, streams: list[RequestStream]) -> Iterator[None]:
-        """Abort ``streams`` if the block raises: what runs after ``add_all`` until the reply
-        (``collect`` or a stream driver, which abort in their turn) owns them."""
+    def owned(generation: Generation) -> Iterator[None]:
+        """Close ``generation`` if the block raises: what runs after ``generate`` until the
+        reply (``collect`` or a stream encoder, which close it in their turn) owns it."""
         try:
             yield
         except BaseException:
-            self.abort_all(streams)
+            generation.close()
             raise
 
-    async def collect(
-        self, raw_request: Request, streams: list[RequestStream]
-    ) -> list[RequestOutput]:
-        """Final outputs of every stream; aborts all of them if the client disconnects first."""
+    async def collect(self, raw_request: Request, generation: Generation) -> list[RequestOutput]:
+        """Each prompt's whole final output (deltas added up); closes ``generation``, so every
+        request is aborted if the client disconnects first (a 499)."""
+        finals: dict[int, RequestOutput] = {}
+
+        async def read() -> None:
+            async for index, out in generation:
+                finals[index] = finals[index].add(out) if index in finals else out
+
         watcher = asyncio.create_task(_wait_disconnect(raw_request))
+        reader = asyncio.ensure_future(read())
         try:
-            finals: list[RequestOutput] = []
-            for stream in streams:
-                waiter = asyncio.ensure_future(_last(stream))
-                done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
-                if waiter not in done:
-                    waiter.cancel()
-                    logger.info("client disconnected; aborting %s", stream.request_id)
-                    raise APIError("client disconnected", 499)
-                finals.append(waiter.result())
-            return finals
+            done, _ = await asyncio.wait({reader, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if reader not in done:
+                logger.info("client disconnected; aborting %s", request_ids(generation))
+                raise APIError("client disconnected", 499)
+            reader.result()
+            return [finals[i] for i in sorted(finals)]
         finally:
+            reader.cancel()
             watcher.cancel()
-            self.abort_all(streams)
+            generation.close()
 
 
-def abort_unfinished(abort: Callable[[str], None], streams: list[RequestStream]) -> None:
-    """``abort`` (``EngineClient.abort``) every one of ``streams`` that has not finished."""
-    for stream in streams:
-        if not stream.finished:
-            abort(stream.request_id)
+def request_ids(generation: Generation) -> str:
+    return ", ".join(s.request_id for s in generation.streams)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -275,14 +279,6 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
                 f"logit_bias: {key!r} is not a token id; the keys are token ids", 400, "logit_bias"
             ) from None
     return out
-
-
-async def _last(stream: RequestStream) -> RequestOutput:
-    last = None
-    async for out in stream:
-        last = out
-    assert last is not None and last.finished
-    return last
 
 
 async def _wait_disconnect(raw_request: Request) -> None:

@@ -12,10 +12,10 @@
            of A; B's ``max_tokens`` is what A had left, its grammar the request's without the
            reasoning part (B starts at the answer)
 
-``BudgetedStream`` has ``RequestStream``'s interface (cumulative outputs, ``request_id`` of the
-request running now, ``finished``), so the stream driver and ``collect`` read it unchanged.
-Invariant: every text it yields extends the one before (outputs with fewer than ``budget``
-tokens pass through whole, so the cut falls at or after the text already sent). The budget is
+``BudgetedStream`` has ``RequestStream``'s interface (DELTA outputs, ``request_id`` of the
+request running now, ``finished``, ``output_kind``), so a ``Generation`` reads it as any stream.
+Invariant: its deltas add up to the reply above (outputs until A holds ``budget`` tokens pass
+through, so the cut falls at or after the text already sent). The budget is
 checked once, on the first output that reaches it (the engine may have gone past it within a
 step): whether the reasoning is still open after exactly ``budget`` tokens.
 """
@@ -30,6 +30,7 @@ from typing import Any
 from prefixserve.api.engine_client import EngineClient, RequestStream
 from prefixserve.api.parsing.reasoning import THINK_END, reasoning_parser
 from prefixserve.core.outputs import CompletionOutput, RequestOutput
+from prefixserve.core.sampling_params import RequestOutputKind
 
 
 class BudgetedStream:
@@ -48,15 +49,23 @@ class BudgetedStream:
     def finished(self) -> bool:
         return self.stream.finished
 
+    @property
+    def output_kind(self) -> RequestOutputKind:
+        return RequestOutputKind.DELTA
+
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        decided = False  # whether the reply reached its budget (and so was checked)
+        generated: list[int] = []  # A's tokens so far
+        sent = ""  # A's text so far
         async for out in self.stream:
             c = out.outputs[0]
-            if decided or len(c.token_ids) < self.budget:
+            if generated is None or len(generated) + len(c.token_ids) < self.budget:
+                if generated is not None:
+                    generated += c.token_ids
+                    sent += c.text
                 yield out
                 continue
-            decided = True
-            kept = c.token_ids[: self.budget]
+            kept = (generated + c.token_ids)[: self.budget]
+            sent_ids, generated = len(generated), None  # decided: the budget is checked once
             skip = getattr(self.params, "skip_special_tokens", True)
             text = self.engine.tokenizer.decode(kept, skip_special_tokens=skip)
             reasoner = self._reasoner()
@@ -65,16 +74,18 @@ class BudgetedStream:
                 yield out
                 continue
             self.engine.abort(out.request_id)
-            async for joined in self._answer(out, kept, text):
+            async for joined in self._answer(out, kept, text, (sent, sent_ids)):
                 yield joined
             return
 
-    async def _answer(self, first: RequestOutput, kept: list[int], text: str
-                      ) -> AsyncIterator[RequestOutput]:  # fmt: skip
-        """The rest of the reply after the budget: request B (see the module doc)."""
-        c = first.outputs[0]
+    async def _answer(self, cut: RequestOutput, kept: list[int], text: str,
+                      sent: tuple[str, int]) -> AsyncIterator[RequestOutput]:  # fmt: skip
+        """The rest of the reply after the budget, as deltas after ``sent`` (A's text and number
+        of tokens already out): request B (see the module doc)."""
+        c = cut.outputs[0]
         closing = ("" if text.endswith("\n") else "\n") + THINK_END + "\n\n"
-        head_ids = kept + self.engine.tokenizer.encode(closing, add_special_tokens=False)
+        closing_ids = self.engine.tokenizer.encode(closing, add_special_tokens=False)
+        head_ids = kept + closing_ids
         grammar = self.params.structured_outputs
         params = dataclasses.replace(
             self.params, max_tokens=max(1, self.params.max_tokens - len(head_ids)),
@@ -83,14 +94,18 @@ class BudgetedStream:
         prepared = self.engine.prepare(self.prompt_token_ids + head_ids, params)
         if prepared.grammar is not None:
             await asyncio.wrap_future(prepared.grammar)
-        self.stream = await self.engine.add(first.request_id + "-answer", prepared,
+        self.stream = await self.engine.add(cut.request_id + "-answer", prepared,
                                             timeout=self.timeout)  # fmt: skip
+        # the first delta carries the cut: what of A[:budget] was not sent, and the closing tag
+        head: tuple[str, list[int]] | None = (text[len(sent[0]) :] + closing,
+                                              kept[sent[1] :] + closing_ids)  # fmt: skip
         async for out in self.stream:
             answer = out.outputs[0]
+            pre_text, pre_ids = head if head is not None else ("", [])
+            head = None
             joined = CompletionOutput(
-                c.index, text + closing + answer.text, head_ids + answer.token_ids,
-                logprobs=None, finish_reason=answer.finish_reason,
-                stop_reason=answer.stop_reason,
+                c.index, pre_text + answer.text, pre_ids + answer.token_ids, logprobs=None,
+                finish_reason=answer.finish_reason, stop_reason=answer.stop_reason,
             )  # fmt: skip
-            yield dataclasses.replace(first, outputs=[joined], finished=out.finished,
+            yield dataclasses.replace(cut, outputs=[joined], finished=out.finished,
                                       error=out.error)  # fmt: skip

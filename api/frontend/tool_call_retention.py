@@ -3,8 +3,9 @@
 A reply that ends in a tool call means the client runs the tool and comes back with its result,
 resending the whole conversation. Every protocol reports it here the same way::
 
-    paused(inputs, c, call_id)    the reply ``c`` kept a call: the engine retains the prompt's
-                                  and the reply's full blocks, session ``<salt>/<call id>``, for
+    paused(inputs, token_ids,     the reply (its generated ``token_ids``) stopped on the call
+           reason, call_id)       ``call_id``: the engine retains the prompt's and the
+                                  reply's full blocks, session ``<salt>/<call id>``, for
                                   the TTL it learned from earlier pauses (``kv.retention``)
     resumed(inputs, call_ids)     a request carries the results of those calls: each session's
                                   gap is a TTL sample and its retention ends (the new request
@@ -25,7 +26,6 @@ import logging
 from collections.abc import Coroutine, Iterable
 from typing import TYPE_CHECKING, Any
 
-from prefixserve.core.outputs import CompletionOutput
 from prefixserve.kv.retention import KVRetention
 
 if TYPE_CHECKING:
@@ -45,16 +45,17 @@ class ToolCallRetention:
         self.enabled = enabled
         self._tasks: set[asyncio.Task] = set()  # held until done (the loop keeps weak refs)
 
-    def paused(self, inputs: EngineInputs, c: CompletionOutput, call_id: str | None) -> None:
-        """``c`` (a reply to ``inputs``) ended with the call ``call_id`` (None: no call)."""
+    def paused(self, inputs: EngineInputs, token_ids: list[int], finish_reason: str | None,
+               call_id: str | None) -> None:  # fmt: skip
+        """A reply to ``inputs`` (its generated ``token_ids``) finished with ``finish_reason``
+        and the call ``call_id`` (None: no call)."""
         salt = getattr(inputs.params, "cache_salt", None)
-        if not self.enabled or call_id is None or c.finish_reason != "stop":
+        if not self.enabled or call_id is None or finish_reason != "stop":
             return
         retention = KVRetention(
             ttl_s=None, session=session_of(salt, call_id), tenant=inputs.tenant.owner
         )
-        token_ids = [*inputs.prompt_token_ids, *c.token_ids]
-        self._spawn(self.engine.retain_kv(token_ids, retention, salt))
+        self._spawn(self.engine.retain_kv([*inputs.prompt_token_ids, *token_ids], retention, salt))
 
     def resumed(self, inputs: EngineInputs, call_ids: Iterable[Any]) -> None:
         """The request of ``inputs`` carries the results of ``call_ids``."""

@@ -14,19 +14,21 @@ the template's thinking as Responses' ``reasoning.effort`` does (``frontend/reas
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 from fastapi import Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 
+from prefixserve.api.engine_client import Generation
 from prefixserve.api.frontend.inputs import EngineInputs, TemplateServing
 from prefixserve.api.frontend.protocol import APIError, random_id
 from prefixserve.api.frontend.reasoning_effort import effort_kwargs
-from prefixserve.api.frontend.stream import DeltaTracker, event_stream
+from prefixserve.api.frontend.request import GenerationRequest
+from prefixserve.api.frontend.stream import ChoiceTotals, event_stream
 from prefixserve.api.frontend.structured_outputs import structured_outputs_of
 from prefixserve.api.frontend.tenancy import tenant_of
-from prefixserve.api.openai.chunks import chunk_stream, usage_of
+from prefixserve.api.openai.chunks import Chunks, usage_of
 from prefixserve.api.openai.field_support import check_supported
 from prefixserve.api.openai.prompt_cache import retention_of, retention_session, routing_key
 from prefixserve.api.openai.protocol import (
@@ -80,33 +82,30 @@ class ChatServing(TemplateServing):
             raise APIError(f"{source}: cannot be combined with a forced tool_choice", 400, source)
         prompt = await asyncio.to_thread(self.render_request, req, tools.tools, effort or {})
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        inputs = self.inputs(prompt, tools, req, req.max_completion_tokens or req.max_tokens,
-                             structured=(structured, source), logprobs=logprobs,
-                             prompt_logprobs=req.prompt_logprobs,
-                             tenant=tenant_of(raw_request))  # fmt: skip
+        tenant = tenant_of(raw_request)
         request_id = "chatcmpl-" + (req.request_id or random_id(""))
-        namespace = tenant_of(raw_request).namespace(req.cache_salt)
+        namespace = tenant.namespace(req.cache_salt)
         retention = retention_of(req.prompt_cache_retention,
-                                 retention_session(namespace, request_id),
-                                 tenant_of(raw_request).owner)  # fmt: skip
-        if retention and req.use_beam_search:
-            raise APIError("prompt_cache_retention: not supported with use_beam_search", 400,
-                           "prompt_cache_retention")  # fmt: skip
-        if retention:
-            inputs.params.kv_retention = retention
-        streams = await self.add_all(request_id, [prompt], [inputs.params], "messages",
-                                     inputs.grammar_source,
-                                     routing_key(namespace, req.prompt_cache_key))  # fmt: skip
-        with self.owned(streams):
+                                 retention_session(namespace, request_id), tenant.owner)  # fmt: skip
+        inputs = self.prepare(GenerationRequest(
+            prompt, tools, req.sampling_options(), req.max_completion_tokens or req.max_tokens,
+            (structured, source), logprobs, req.prompt_logprobs, tenant, retention,
+        ))  # fmt: skip
+        generation = await self.generate(
+            request_id, [prompt], [inputs.params], "messages", inputs.grammar_source,
+            routing_key(namespace, req.prompt_cache_key), stream=req.stream,
+        )  # fmt: skip
+        with self.owned(generation):
             self.tool_calls.resumed(inputs, results)
             if req.stream:
-                return event_stream(self._stream(req, request_id, model, streams, inputs),
+                return event_stream(self._stream(req, request_id, model, generation, inputs),
                                     headers)  # fmt: skip
-        final = (await self.collect(raw_request, streams))[0]
+        final = (await self.collect(raw_request, generation))[0]
         choices = [self._choice(req, c, inputs) for c in final.outputs]
         for c, choice in zip(final.outputs, choices):
             calls = choice.message.tool_calls
-            self.tool_calls.paused(inputs, c, calls[0].id if calls else None)
+            self.tool_calls.paused(inputs, c.token_ids, c.finish_reason,
+                                   calls[0].id if calls else None)  # fmt: skip
         usage = usage_of([final])
         if self.reasoning_parser is not None:
             counts = [self.reasoning_tokens(c.token_ids, ch.message.reasoning_content)
@@ -180,62 +179,10 @@ class ChatServing(TemplateServing):
             )
         return {"content": content}
 
-    def _stream(self, req: ChatCompletionRequest, request_id: str, model: str, streams,
-                inputs: EngineInputs):  # fmt: skip
+    async def _stream(self, req: ChatCompletionRequest, request_id: str, model: str,
+                      generation: Generation, inputs: EngineInputs) -> AsyncIterator[str]:  # fmt: skip
         base = {"id": request_id, "object": "chat.completion.chunk", "model": model}
-        tracker, mode = DeltaTracker(), inputs.mode
-        parsers = {i: self.reply_parser(inputs) for i in range(req.n)}
-        call_ids: dict[int, str] = {}  # each choice's first call
         reasoning_tokens: dict[int, int] = {}
-        echo = self._echo(req)
-        sent_extras = False
-
-        def choice(index: int, delta: dict, logprobs=None, finish_reason=None, **extra) -> dict:
-            return {"index": index, "delta": delta, "logprobs": logprobs,
-                    "finish_reason": finish_reason, **extra}  # fmt: skip
-
-        def events(_: int, out: RequestOutput) -> Iterator[dict]:
-            nonlocal sent_extras
-            if req.use_beam_search and not out.finished:
-                return
-            for c in out.outputs:
-                d = tracker.delta(c.index, c, self.visible_text(c, mode))
-                if d is None:
-                    continue
-                finish = _finish(c) if d.finish_reason is not None else None
-                parts = parsers[d.index].feed(d.text, finish)
-                if (call_id := first_call(parts)) is not None:
-                    call_ids.setdefault(d.index, call_id)
-                deltas = _message_deltas(parts, echo if d.first and mode is ToolMode.NONE
-                                         else "") or [{}]  # fmt: skip
-                lps = (
-                    self._logprobs(req, d.logprobs, d.token_ids)
-                    if d.logprobs is not None and d.token_ids
-                    else None
-                )
-                reason = None
-                if finish is not None:
-                    done = parts[-1]
-                    assert isinstance(done, Finish)
-                    reason = _finish_reason(d.finish_reason, mode, done.called)
-                    self.tool_calls.paused(inputs, c, call_ids.get(d.index))
-                    reasoning_tokens[d.index] = self.reasoning_tokens(
-                        c.token_ids, "" if done.reasoned else None)  # fmt: skip
-                for k, delta in enumerate(deltas):  # logprobs first, the finish reason last
-                    last = k == len(deltas) - 1
-                    part_lps, part_reason = (lps if k == 0 else None), (reason if last else None)
-                    extra = {"stop_reason": d.stop_reason} if part_reason else {}
-                    if req.return_token_ids:
-                        extra["token_ids"] = d.token_ids if k == 0 else []
-                    if delta or part_lps or part_reason or extra.get("token_ids"):
-                        body = {"choices": [choice(d.index, delta, part_lps, part_reason, **extra)]}
-                        if not sent_extras:  # prompt_logprobs, prompt_token_ids: once
-                            body.update(self._extras(req, out))
-                            sent_extras = True
-                        yield body
-
-        roles = [{"choices": [choice(i, {"role": "assistant", "content": ""})]}
-                 for i in range(req.n)]  # fmt: skip
 
         def usage_details(usage: Usage) -> Usage:
             if self.reasoning_parser is not None:
@@ -243,8 +190,79 @@ class ChatServing(TemplateServing):
                 usage.completion_tokens_details = details
             return usage
 
-        return chunk_stream(streams, self.abort_all, base, events, req.stream_options,
-                            first_chunks=roles, usage_details=usage_details)  # fmt: skip
+        chunks = Chunks(base, req.stream_options, 1, usage_details)
+        encoder = _ChoiceEncoder(self, req, inputs, reasoning_tokens)
+        async with generation:
+            try:
+                for i in range(req.n):
+                    yield chunks.chunk({"choices": [_choice(i, {"role": "assistant",
+                                                                "content": ""})]})  # fmt: skip
+                async for _, out in generation:
+                    chunks.observe(0, out)
+                    for body in encoder.events(out):
+                        yield chunks.chunk(body)
+                    if (usage := chunks.final_usage()) is not None:
+                        yield usage
+            except Exception as exc:
+                yield chunks.error(exc)
+        yield Chunks.DONE
+
+
+def _choice(index: int, delta: dict, logprobs=None, finish_reason=None, **extra) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs,
+            "finish_reason": finish_reason, **extra}  # fmt: skip
+
+
+class _ChoiceEncoder:
+    """A streamed chat completion's choices: each DELTA output's chunk bodies."""
+
+    def __init__(self, serving: ChatServing, req: ChatCompletionRequest, inputs: EngineInputs,
+                 reasoning_tokens: dict[int, int]) -> None:  # fmt: skip
+        self.serving, self.req, self.inputs = serving, req, inputs
+        self.parsers = {i: serving.reply_parser(inputs) for i in range(req.n)}
+        self.totals = ChoiceTotals()
+        self.call_ids: dict[int, str] = {}  # each choice's first call
+        self.reasoning_tokens = reasoning_tokens
+        self.echo = serving._echo(req)
+        self.sent_extras = False
+
+    def events(self, out: RequestOutput) -> Iterator[dict]:
+        serving, req, inputs, mode = self.serving, self.req, self.inputs, self.inputs.mode
+        for c in out.outputs:
+            text = serving.visible_text(c, mode)
+            if not (text or c.token_ids or c.finish_reason):
+                continue
+            _, first = self.totals.add(c.index, c)
+            finish = _finish(c) if c.finish_reason is not None else None
+            parts = self.parsers[c.index].feed(text, finish)
+            if (call_id := first_call(parts)) is not None:
+                self.call_ids.setdefault(c.index, call_id)
+            deltas = _message_deltas(parts, self.echo if first and mode is ToolMode.NONE
+                                     else "") or [{}]  # fmt: skip
+            lps = (serving._logprobs(req, c.logprobs, c.token_ids)
+                   if c.logprobs is not None and c.token_ids else None)  # fmt: skip
+            reason = None
+            if finish is not None:
+                done = parts[-1]
+                assert isinstance(done, Finish)
+                reason = _finish_reason(c.finish_reason, mode, done.called)
+                token_ids = self.totals.token_ids(c.index)
+                serving.tool_calls.paused(inputs, token_ids, c.finish_reason,
+                                          self.call_ids.get(c.index))  # fmt: skip
+                self.reasoning_tokens[c.index] = serving.reasoning_tokens(
+                    token_ids, "" if done.reasoned else None)  # fmt: skip
+            for k, delta in enumerate(deltas):  # logprobs first, the finish reason last
+                last = k == len(deltas) - 1
+                part_lps, part_reason = (lps if k == 0 else None), (reason if last else None)
+                extra = {"stop_reason": c.stop_reason} if part_reason else {}
+                if req.return_token_ids:
+                    extra["token_ids"] = c.token_ids if k == 0 else []
+                if delta or part_lps or part_reason or extra.get("token_ids"):
+                    body = {"choices": [_choice(c.index, delta, part_lps, part_reason, **extra)]}
+                    if not self.sent_extras:  # prompt_logprobs, prompt_token_ids: once
+                        body.update(serving._extras(req, out))
+                        self.sent_extras = True
+                    yield body
 
 
 def tool_results(messages: list[dict]) -> list[str]:

@@ -1,15 +1,14 @@
 """Chat and text completions' server-sent events: one ``chat.completion.chunk`` (or
-``text_completion``) per body, usage chunks, the error tail and ``data: [DONE]``."""
+``text_completion``) per body, usage chunks, the error tail and ``data: [DONE]`` (``Chunks``)."""
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
-from prefixserve.api.engine_client import RequestStream
-from prefixserve.api.frontend.stream import IDLE, drive
+from prefixserve.api.frontend.stream import as_api_error
 from prefixserve.api.openai.protocol import PromptTokensDetails, Usage
 from prefixserve.core.outputs import RequestOutput
 
@@ -38,41 +37,54 @@ def usage_of(finals: list[RequestOutput]) -> Usage:
     )
 
 
-async def chunk_stream(
-    streams: list[RequestStream],
-    abort_all: Callable[[list[RequestStream]], None],
-    base: dict,
-    events: Callable[[int, RequestOutput], Iterable[dict]],
-    stream_options: Any,
-    first_chunks: Iterable[dict] = (),
-    usage_details: Callable[[Usage], Usage] = lambda usage: usage,
-) -> AsyncIterator[str]:
-    """The SSE lines of a stream: ``first_chunks``, then one chunk per body (``{"choices":
-    [...], ...}``) that ``events(position, output)`` gives as outputs come, the usage chunk once
-    all finished (``include_usage``; with ``continuous_usage_stats`` too, every chunk carries the
-    usage so far, as vLLM: neither without ``include_usage``; ``usage_details`` completes each
-    usage), and the error tail and ``[DONE]`` (``stream.drive``)."""
-    latest: dict[int, RequestOutput] = {}
-    include = stream_options is not None and stream_options.include_usage
-    continuous = include and stream_options.continuous_usage_stats
+class Chunks:
+    """The SSE lines of one chat or text completion stream over ``num_prompts`` engine requests:
+    chunks (``base``: id, object, model; each with a fresh ``created``), the usage chunk once
+    every request finished (``include_usage``; with ``continuous_usage_stats`` every chunk
+    carries the usage so far, as vLLM: neither without ``include_usage``; ``usage_details``
+    completes each usage), the error tail and ``[DONE]``. ``observe`` each output first."""
 
-    def usage() -> Usage:
-        return usage_details(usage_of([latest[p] for p in sorted(latest)]) if latest else Usage())
+    def __init__(self, base: dict, stream_options: Any, num_prompts: int,
+                 usage_details: Callable[[Usage], Usage] = lambda usage: usage) -> None:  # fmt: skip
+        self.base, self.num_prompts, self.usage_details = base, num_prompts, usage_details
+        self.include = stream_options is not None and stream_options.include_usage
+        self.continuous = self.include and stream_options.continuous_usage_stats
+        self._prompts: dict[int, RequestOutput] = {}  # each request's latest output
+        self._completion_tokens = 0
+        self._finished: set[int] = set()
 
-    def chunk(body: dict) -> str:
-        extra = {"usage": usage().model_dump()} if continuous else {}
-        return chunk_event(base, **body, **extra)
+    def observe(self, index: int, out: RequestOutput) -> None:
+        """Count the DELTA output ``out`` of request ``index``."""
+        self._prompts[index] = out
+        self._completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+        if out.finished:
+            self._finished.add(index)
 
-    def on_output(p: int, out: RequestOutput | None) -> Iterable[str]:
-        if p == IDLE or out is None:
-            return
-        latest[p] = out
-        for body in events(p, out):
-            yield chunk(body)
-        if include and len(latest) == len(streams) and all(o.finished for o in latest.values()):
-            yield chunk_event(base, [], usage=usage().model_dump())
+    def usage(self) -> Usage:
+        prompts = self._prompts.values()
+        prompt = sum(len(o.prompt_token_ids) for o in prompts)
+        details = PromptTokensDetails(
+            cached_tokens=sum(o.num_cached_tokens for o in prompts),
+            reused_segment_tokens=sum(o.num_reused_segment_tokens for o in prompts),
+        )
+        return self.usage_details(Usage(
+            prompt_tokens=prompt, completion_tokens=self._completion_tokens,
+            total_tokens=prompt + self._completion_tokens, prompt_tokens_details=details,
+        ))  # fmt: skip
 
-    async for line in drive(streams, abort_all, on_output, lambda exc: [sse(exc.body())],
-                            first=(chunk(body) for body in first_chunks)):  # fmt: skip
-        yield line
-    yield sse("[DONE]")
+    def chunk(self, body: dict) -> str:
+        """A chunk of ``body`` (``{"choices": [...], ...}``)."""
+        extra = {"usage": self.usage().model_dump()} if self.continuous else {}
+        return chunk_event(self.base, **body, **extra)
+
+    def final_usage(self) -> str | None:
+        """The usage chunk, once every request finished (with ``include_usage``)."""
+        if not self.include or len(self._finished) < self.num_prompts:
+            return None
+        return chunk_event(self.base, [], usage=self.usage().model_dump())
+
+    @staticmethod
+    def error(exc: Exception) -> str:
+        return sse(as_api_error(exc).body())
+
+    DONE = sse("[DONE]")

@@ -9,16 +9,17 @@ token), as evaluation harnesses read them. ``prompt_logprobs`` gives vLLM's per-
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 from fastapi import Request
 
+from prefixserve.api.engine_client import Generation
 from prefixserve.api.frontend.protocol import APIError, random_id
 from prefixserve.api.frontend.serving import BaseServing
-from prefixserve.api.frontend.stream import DeltaTracker, event_stream
+from prefixserve.api.frontend.stream import ChoiceTotals, event_stream
 from prefixserve.api.frontend.structured_outputs import structured_outputs_of
 from prefixserve.api.frontend.tenancy import tenant_of
-from prefixserve.api.openai.chunks import chunk_stream, usage_of
+from prefixserve.api.openai.chunks import Chunks, usage_of
 from prefixserve.api.openai.field_support import check_supported
 from prefixserve.api.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from prefixserve.core.outputs import CompletionOutput, RequestOutput
@@ -31,16 +32,23 @@ class CompletionServing(BaseServing):
         prompts = await asyncio.to_thread(self._prompt_ids, req.prompt, req.add_special_tokens)
         structured, source = structured_outputs_of(req)
         params = [
-            self.make_params(req, req.max_tokens, req.logprobs, structured, _prompt_k(req),
-                             tenant_of(raw_request))
+            self.make_params(
+                req.sampling_options(),
+                req.max_tokens,
+                req.logprobs,
+                structured,
+                _prompt_k(req),
+                tenant_of(raw_request),
+            )
             for _ in prompts
         ]
         request_id = random_id("cmpl-")
-        streams = await self.add_all(request_id, prompts, params, "prompt", source)
-        with self.owned(streams):
+        generation = await self.generate(request_id, prompts, params, "prompt", source,
+                                         stream=req.stream)  # fmt: skip
+        with self.owned(generation):
             if req.stream:
-                return event_stream(self._stream(req, request_id, model, streams))
-        finals = await self.collect(raw_request, streams)
+                return event_stream(self._stream(req, request_id, model, generation))
+        finals = await self.collect(raw_request, generation)
         choices = [self._choice(req, p * req.n, final, c) for p, final in enumerate(finals)
                    for c in final.outputs]  # fmt: skip
         return CompletionResponse(
@@ -145,35 +153,52 @@ class CompletionServing(BaseServing):
             "text_offset": offsets,
         }
 
-    def _stream(self, req, request_id, model, streams):
+    async def _stream(self, req: CompletionRequest, request_id: str, model: str,
+                      generation: Generation) -> AsyncIterator[str]:  # fmt: skip
         base = {"id": request_id, "object": "text_completion", "model": model}
-        tracker = DeltaTracker()
+        chunks = Chunks(base, req.stream_options, len(generation.streams))
+        async with generation:
+            try:
+                events = self._choice_events(req)
+                async for p, out in generation:
+                    chunks.observe(p, out)
+                    for body in events(p, out):
+                        yield chunks.chunk(body)
+                    if (usage := chunks.final_usage()) is not None:
+                        yield usage
+            except Exception as exc:
+                yield chunks.error(exc)
+        yield Chunks.DONE
+
+    def _choice_events(self, req: CompletionRequest):
+        """The chunk bodies of each DELTA output of prompt ``p``: choice ``p * n + index``, its
+        first chunk after the echo of the prompt (``echo``)."""
+        totals = ChoiceTotals()
         echoes: dict[int, str] = {}  # per prompt: its text, decoded once
 
         def events(p: int, out: RequestOutput) -> Iterator[dict]:
-            if req.use_beam_search and not out.finished:
-                return
             if req.echo and p not in echoes:
                 echoes[p] = self._echo(out)
             for c in out.outputs:
-                d = tracker.delta(p * req.n + c.index, c, c.text)
-                if d is None:
+                if not (c.text or c.token_ids or c.finish_reason):
                     continue
+                index = p * req.n + c.index
+                text_offset, first = totals.add(index, c)
                 echo = echoes.get(p, "")
-                offset = d.text_offset + len(echo)
-                echo = echo if d.first else ""
-                lps = self._choice_logprobs(req, out, d.logprobs, d.token_ids, offset, d.first)
+                offset = text_offset + len(echo)
+                echo = echo if first else ""
+                lps = self._choice_logprobs(req, out, c.logprobs, c.token_ids, offset, first)
                 choice = {
-                    "index": d.index,
-                    "text": echo + d.text,
+                    "index": index,
+                    "text": echo + c.text,
                     "logprobs": lps,
-                    "finish_reason": d.finish_reason,
-                    "stop_reason": d.stop_reason,
-                    **self._extras(req, out, d.token_ids, d.first),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                    **self._extras(req, out, c.token_ids, first),
                 }
                 yield {"choices": [choice]}
 
-        return chunk_stream(streams, self.abort_all, base, events, req.stream_options)
+        return events
 
 
 def _prompt_k(req: CompletionRequest) -> int | None:

@@ -8,17 +8,19 @@ rules.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, Field, StrictBool
 
 from prefixserve.api.frontend.protocol import APIError, Lenient, ToolRequest, random_id
+from prefixserve.api.frontend.request import SamplingOptions
 from prefixserve.core.sampling_params import MAX_LOGPROBS
 
 MAX_N = 16
 """Most choices (``n``, or beams) one request may ask for."""
-_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 _ChoiceT = TypeVar("_ChoiceT", bound=BaseModel)
 
 
@@ -50,7 +52,7 @@ class _SamplingFields(Lenient):
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
@@ -80,6 +82,13 @@ class _SamplingFields(Lenient):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    def sampling_options(self) -> SamplingOptions:
+        """This request's sampling fields, as the shared front half takes them."""
+        return SamplingOptions(**self.model_dump(include=_SAMPLING_OPTIONS))
+
+
+_SAMPLING_OPTIONS = {f.name for f in dataclasses.fields(SamplingOptions)}
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -3,7 +3,7 @@ request's progress in a step (for metrics, whatever the request's output kind)."
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 
@@ -52,6 +52,23 @@ class RequestOutput:
     error: str | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     kv_retained_tokens: tuple[int | None, ...] = ()
+
+    def add(self, delta: RequestOutput) -> RequestOutput:
+        """This output extended by ``delta``, the same request's next ``DELTA`` output: each
+        choice's text, tokens and logprobs concatenated (a choice first seen in ``delta`` is
+        added), everything else ``delta``'s. ``self`` is left as it was."""
+        choices = {c.index: c for c in self.outputs}
+        for d in delta.outputs:
+            c = choices.get(d.index)
+            if c is None:
+                choices[d.index] = d
+                continue
+            logprobs = None if c.logprobs is None else c.logprobs + (d.logprobs or [])
+            choices[d.index] = CompletionOutput(
+                d.index, c.text + d.text, c.token_ids + d.token_ids, d.cumulative_logprob,
+                logprobs, d.finish_reason, d.stop_reason,
+            )  # fmt: skip
+        return replace(delta, outputs=[choices[i] for i in sorted(choices)])
 
 
 class RequestProgress(NamedTuple):

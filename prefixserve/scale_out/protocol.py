@@ -7,7 +7,8 @@
     replica.record_routing_stats() ── ReplicaReport (as a dict) ──▶ Serve ──▶ router, every period
 
 A replica answers ``generate`` with ``ACCEPTED`` once its engine took the request, then the
-request's cumulative ``RequestOutput`` s up to the finished one, their ``prompt_token_ids`` left
+request's ``RequestOutput`` s in its output kind (DELTA when streamed: each only what is new)
+up to the finished one, their ``prompt_token_ids`` left
 empty when they are the ids the ingress sent (a prompt is never empty), to keep each message small. An exception in the stream is its last
 item: the error the engine refused the request with (before ``ACCEPTED``: a 4xx or 503) or failed
 it with. An exception *raised* by the stream means the replica itself, or the way to it, failed.

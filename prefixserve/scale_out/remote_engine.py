@@ -25,7 +25,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from prefixserve.api.engine_client import RETRY_AFTER_SECONDS, EngineOverloadedError, RequestStream
+from prefixserve.api.engine_client import (
+    RETRY_AFTER_SECONDS,
+    EngineClient,
+    EngineOverloadedError,
+    RequestStream,
+)
 from prefixserve.api.frontend.protocol import APIError
 from prefixserve.core.outputs import RequestOutput
 from prefixserve.core.sampling_params import BeamSearchParams, SamplingParams
@@ -57,7 +62,7 @@ class ReplicaFailedError(APIError):
         super().__init__(message, 503, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
-class RemoteEngine:
+class RemoteEngine(EngineClient):
     """Stands in for ``AsyncEngine`` in ``build_app``: same methods, same stream type.
 
     ``handle`` is the engine deployment's handle; ``tokenizer`` the ingress's own (it tokenizes
@@ -136,8 +141,8 @@ class RemoteEngine:
         timeout: float | None = None,
         routing_key: str | None = None,
     ) -> RequestStream:
-        stream = RequestStream.create(request_id, timeout)
         prepared = prompt if isinstance(prompt, PreparedRequest) else self.prepare(prompt, params)
+        stream = RequestStream.create(request_id, timeout, prepared.params.output_kind)
         request = EngineRequest(request_id, list(prepared.prompt_token_ids), prepared.params,
                                 routing_key)  # fmt: skip
         pump = asyncio.create_task(self._pump(request, stream))

@@ -16,6 +16,7 @@ from pydantic import Field, StrictBool
 
 from prefixserve.api.frontend.protocol import APIError, Lenient
 from prefixserve.api.frontend.reasoning_effort import EFFORTS
+from prefixserve.api.openai.protocol import SEED_MAX, SEED_MIN
 from prefixserve.core.sampling_params import MAX_LOGPROBS
 
 INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content")
@@ -51,7 +52,7 @@ class ResponsesRequest(Lenient):
     stream_options: dict[str, Any] | None = None  # include_obfuscation: no padding is sent
     cache_salt: str | None = None
     segment_reuse: StrictBool | None = None  # opt out of --segment-reuse (kv/segments.py)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     generate: bool = True  # Codex's WebSocket warm-up sends false: prefill, write nothing
 
 

@@ -26,14 +26,14 @@ from collections import Counter
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from prefixserve.api.engine_client import RequestStream
+from prefixserve.api.engine_client import Generation
 from prefixserve.api.frontend.inputs import TemplateServing, ToolRequest
 from prefixserve.api.frontend.protocol import APIError, random_id
 from prefixserve.api.frontend.reasoning_effort import effort_kwargs
+from prefixserve.api.frontend.request import GenerationRequest, SamplingOptions
 from prefixserve.api.frontend.stream import event_stream
 from prefixserve.api.frontend.tenancy import Tenant, tenant_of
 from prefixserve.api.openai.prompt_cache import retention_of, retention_session, routing_key
-from prefixserve.api.openai.protocol import _SamplingFields
 from prefixserve.api.openai.responses.continuation import Prompt, continue_prompt, render_prompt
 from prefixserve.api.openai.responses.items import (
     normalize_input,
@@ -69,7 +69,7 @@ class ResponsesServing(TemplateServing):
         super().__init__(engine, served_model_names, **options)
         self.store = store
         self.hosted_tools = hosted_tools
-        self.turn_services = TurnServices(store, self.tool_calls, engine.abort, engine.tokenizer,
+        self.turn_services = TurnServices(store, self.tool_calls, engine.tokenizer,
                                           self.eos_texts, self.token_text)  # fmt: skip
         self.continuations = {"token_exact": 0, "rerendered": 0, "truncated": 0}
         self.truncations = 0
@@ -130,16 +130,21 @@ class ResponsesServing(TemplateServing):
 
     async def create(self, req: ResponsesRequest, raw_request: Request):
         """The response (a JSON body or an event stream), with ``_notices`` as headers."""
-        turn, streams = await self.start(req, tenant_of(raw_request))
+        turn, generation = await self.start(req, tenant_of(raw_request), stream=req.stream)
         if req.stream:
-            return event_stream(turn.sse(streams), turn.headers)
-        final = (await self.collect(raw_request, streams))[0]
+            return event_stream(turn.sse(generation), turn.headers)
+        final = (await self.collect(raw_request, generation))[0]
         return JSONResponse(await turn.complete(final), headers=turn.headers)
 
     async def start(
-        self, req: ResponsesRequest, tenant: Tenant, connection: str | None = None
-    ) -> tuple[ResponseTurn, list[RequestStream]]:
-        """Check and prepare ``req``, add its engine request: (its turn, its stream).
+        self,
+        req: ResponsesRequest,
+        tenant: Tenant,
+        connection: str | None = None,
+        stream: bool = True,
+    ) -> tuple[ResponseTurn, Generation]:
+        """Check and prepare ``req``, add its engine request: (its turn, its generation, whose
+        outputs are deltas when ``stream``, else the final one only).
 
         ``connection``: a WebSocket connection's store namespace, where its ``store: false``
         responses are kept while it lives (counted against the same bounds). ``generate: false`` (Codex's warm-up) renders the conversation without a
@@ -160,24 +165,24 @@ class ResponsesServing(TemplateServing):
         prompt, items = await asyncio.to_thread(self._fitted_prompt, req, prev,
                                                 history + new_items, offered.functions)  # fmt: skip
         logprobs = (req.top_logprobs or 0) if LOGPROBS in (req.include or []) else None
-        sampling = _SamplingFields(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+        sampling = SamplingOptions(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                                    cache_salt=req.cache_salt,
                                    segment_reuse=req.segment_reuse)  # fmt: skip
-        inputs = self.inputs(prompt.token_ids, tools, sampling, req.max_output_tokens,
-                             structured=_text_format(req, tools), logprobs=logprobs,
-                             tenant=tenant)  # fmt: skip
-        if not req.generate:
-            inputs.params.max_tokens = 1
         response_id = random_id("resp_")
-        inputs.params.kv_retention = retention_of(req.prompt_cache_retention, retention_session(
+        retention = retention_of(req.prompt_cache_retention, retention_session(
             tenant.namespace(req.cache_salt), response_id), tenant.owner)  # fmt: skip
+        # generate: false (a warm-up) runs the prompt and discards its one token
+        inputs = self.prepare(GenerationRequest(
+            prompt.token_ids, tools, sampling, req.max_output_tokens if req.generate else 1,
+            _text_format(req, tools), logprobs, tenant=tenant, retention=retention,
+        ))  # fmt: skip
         results = [i["call_id"] for i in new_items if i.get("type") in (
             "function_call_output", "custom_tool_call_output")]  # fmt: skip
         headers = self._notices(req, offered)
-        streams = await self.add_all(
+        generation = await self.generate(
             response_id, [prompt.token_ids], [inputs.params], "input", inputs.grammar_source,
-            routing_key(tenant.namespace(req.cache_salt), req.prompt_cache_key))  # fmt: skip
-        with self.owned(streams):
+            routing_key(tenant.namespace(req.cache_salt), req.prompt_cache_key), stream=stream)  # fmt: skip
+        with self.owned(generation):
             self.tool_calls.resumed(inputs, results)
             truncated = len(items) < len(history) + len(new_items)
             self.truncations += truncated
@@ -193,7 +198,7 @@ class ResponsesServing(TemplateServing):
             turn = ResponseTurn(req, response_id, model, owner, items, prompt, inputs, output,
                                 self.turn_services)  # fmt: skip
             turn.headers = headers
-        return turn, streams
+        return turn, generation
 
     def _notices(self, req: ResponsesRequest, offered: ResponsesTools) -> dict[str, str]:
         """Response headers naming what the request asked for and did not get."""

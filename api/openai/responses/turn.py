@@ -15,20 +15,18 @@ write, larger than a bound) is sent with ``store: false``.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import time
 from array import array
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from prefixserve.api.engine_client import RequestStream
+from prefixserve.api.engine_client import Generation
 from prefixserve.api.frontend.inputs import EngineInputs, visible_text
 from prefixserve.api.frontend.protocol import APIError
-from prefixserve.api.frontend.serving import abort_unfinished
-from prefixserve.api.frontend.stream import DeltaTracker, drive
+from prefixserve.api.frontend.stream import ChoiceTotals, as_api_error
 from prefixserve.api.frontend.tenancy import Tenant
 from prefixserve.api.frontend.tool_call_retention import ToolCallRetention
 from prefixserve.api.openai.responses.continuation import Prompt
@@ -59,13 +57,12 @@ class TurnOwner:
 class TurnServices:
     """What every turn of one server shares, each as narrow as a turn needs: ``store`` keeps
     finished responses; ``retention`` keeps the KV of a reply that paused on a tool call;
-    ``abort`` ends an engine request (``EngineClient.abort``); ``tokenizer`` counts reasoning
+    ``tokenizer`` counts reasoning
     tokens; ``eos_texts`` are the EOS texts tool modes keep (``visible_text``); ``token_text``
     spells a token in its logprobs."""
 
     store: ResponseStore
     retention: ToolCallRetention
-    abort: Callable[[str], None]
     tokenizer: Any
     eos_texts: tuple[str, ...]
     token_text: Callable[[int], str]
@@ -132,7 +129,7 @@ class ResponseTurn:
         if self.req.generate:
             call = next((i["call_id"] for i in output.items
                          if i.get("type") in ("function_call", "custom_tool_call")), None)  # fmt: skip
-            self.services.retention.paused(self.inputs, c, call)
+            self.services.retention.paused(self.inputs, c.token_ids, c.finish_reason, call)
         reasoning = count_reasoning_tokens(self.services.tokenizer, generated, output.reasoning)
         body = self.body(status, output.items, _usage(final, len(generated), reasoning), **extra)
         return body, generated
@@ -163,49 +160,46 @@ class ResponseTurn:
             array("i", generated), persist=self.req.store,
         )  # fmt: skip
 
-    async def sse(self, streams: list[RequestStream]) -> AsyncIterator[str]:
+    async def sse(self, generation: Generation) -> AsyncIterator[str]:
         """``events`` as server-sent events."""
-        async for body in self.events(streams):
+        async for body in self.events(generation):
             yield f"event: {body['type']}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    async def events(self, streams: list[RequestStream]) -> AsyncIterator[dict]:
+    async def events(self, generation: Generation) -> AsyncIterator[dict]:
         """The stream's events, numbered from 0: created, in_progress, the output's events, then
         completed, incomplete or failed (a ``generate: false`` warm-up has no output events).
-        However it ends, the engine request ends with it (``stream.drive``)."""
-        numbers, output, tracker = itertools.count(), self.output, DeltaTracker()
-        finished: list[tuple[dict, list[int]]] = []  # the finished body, until it is stored
+        However it ends, the engine request ends with it (the generation is closed)."""
+        numbers, output, totals = itertools.count(), self.output, ChoiceTotals()
+        finished: tuple[dict, list[int]] | None = None  # the finished body, until it is stored
 
         def event(body: dict) -> dict:
             return {**body, "sequence_number": next(numbers)}
 
-        def on_output(_: int, out: RequestOutput | None) -> list[dict]:
-            if out is None:
-                return []
-            c, events = out.outputs[0], []
-            d = tracker.delta(0, c, self._visible_text(c))
-            if d is not None and self.req.generate:
-                done = d.finish_reason is not None
-                logprobs = self._logprobs(d.logprobs, d.token_ids)
-                finish = Finish(c.finish_reason, c.stop_reason) if done else None
-                events = output.feed(d.text, logprobs, finish)
-                if done:
-                    events += output.finish(self.status(c))
-            if out.finished:
-                finished.append(self.finished(out))
-            return [event(e) for e in events]
-
-        def failed(exc: APIError) -> list[dict]:
-            finished.clear()
-            return [event(self._failed(exc))]
-
         start = self.body("in_progress", [])
-        opening = [event({"type": "response.created", "response": start}),
-                   event({"type": "response.in_progress", "response": start})]  # fmt: skip
-        abort = functools.partial(abort_unfinished, self.services.abort)
-        async for body in drive(streams, abort, on_output, failed, first=opening):
-            yield body
-        if finished:  # the terminal event once the response is stored
-            body = await self.stored(*finished[0])
+        async with generation:
+            try:
+                yield event({"type": "response.created", "response": start})
+                yield event({"type": "response.in_progress", "response": start})
+                async for _, out in generation:
+                    c = out.outputs[0]
+                    totals.add(0, c)
+                    text = self._visible_text(c)
+                    done = c.finish_reason is not None
+                    if self.req.generate and (text or c.token_ids or done):
+                        finish = Finish(c.finish_reason, c.stop_reason) if done else None
+                        for body in output.feed(text, self._logprobs(c.logprobs, c.token_ids),
+                                                finish):  # fmt: skip
+                            yield event(body)
+                        for body in output.finish(self.status(c)) if done else ():
+                            yield event(body)
+                    if out.finished:
+                        whole = replace(c, token_ids=totals.token_ids(0))
+                        finished = self.finished(replace(out, outputs=[whole]))
+            except Exception as exc:
+                finished = None
+                yield event(self._failed(as_api_error(exc)))
+        if finished is not None:  # the terminal event once the response is stored
+            body = await self.stored(*finished)
             yield event({"type": f"response.{body['status']}", "response": body})
 
     def _failed(self, exc: APIError) -> dict:

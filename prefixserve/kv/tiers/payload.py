@@ -101,9 +101,7 @@ class BlobFormat:
         """The key a header names, once its format and fingerprint are checked (not the MAC,
         which needs the payload: ``decode`` checks it)."""
         if metadata.get("format") != FORMAT_VERSION:
-            raise CorruptBlockError(
-                f"format {metadata.get('format')!r}, expected {FORMAT_VERSION}"
-            )
+            raise CorruptBlockError(f"format {metadata.get('format')!r}, expected {FORMAT_VERSION}")
         if metadata.get("fingerprint") != self.fingerprint:
             raise CorruptBlockError("fingerprint of another model, dtype, block size or KV layout")
         try:
@@ -128,7 +126,9 @@ class BlobFormat:
         except Exception as exc:  # safetensors raises its own error types for a damaged blob
             raise CorruptBlockError(f"unreadable payload: {exc}") from exc
         if not hmac.compare_digest(self._mac(metadata, tensors), metadata.get("mac", "")):
-            raise CorruptBlockError("MAC mismatch: damaged, forged, or written under another secret")
+            raise CorruptBlockError(
+                "MAC mismatch: damaged, forged, or written under another secret"
+            )
         try:
             codec.check(tensors, self.block_shape, self.dtype)
         except ValueError as exc:
