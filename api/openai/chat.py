@@ -179,8 +179,8 @@ class ChatServing(TemplateServing):
             )
         return {"content": content}
 
-    async def _stream(self, req: ChatCompletionRequest, request_id: str, model: str,
-                      generation: Generation, inputs: EngineInputs) -> AsyncIterator[str]:  # fmt: skip
+    def _stream(self, req: ChatCompletionRequest, request_id: str, model: str,
+                generation: Generation, inputs: EngineInputs) -> AsyncIterator[str]:  # fmt: skip
         base = {"id": request_id, "object": "chat.completion.chunk", "model": model}
         reasoning_tokens: dict[int, int] = {}
 
@@ -190,22 +190,12 @@ class ChatServing(TemplateServing):
                 usage.completion_tokens_details = details
             return usage
 
-        chunks = Chunks(base, req.stream_options, 1, usage_details)
         encoder = _ChoiceEncoder(self, req, inputs, reasoning_tokens)
-        async with generation:
-            try:
-                for i in range(req.n):
-                    yield chunks.chunk({"choices": [_choice(i, {"role": "assistant",
-                                                                "content": ""})]})  # fmt: skip
-                async for _, out in generation:
-                    chunks.observe(0, out)
-                    for body in encoder.events(out):
-                        yield chunks.chunk(body)
-                    if (usage := chunks.final_usage()) is not None:
-                        yield usage
-            except Exception as exc:
-                yield chunks.error(exc)
-        yield Chunks.DONE
+        roles = [{"choices": [_choice(i, {"role": "assistant", "content": ""})]}
+                 for i in range(req.n)]  # fmt: skip
+        return Chunks(base, req.stream_options, 1, usage_details).lines(
+            generation, lambda _, out: encoder.events(out), roles
+        )
 
 
 def _choice(index: int, delta: dict, logprobs=None, finish_reason=None, **extra) -> dict:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
+from prefixserve.api.engine_client import Generation
 from prefixserve.api.frontend.stream import as_api_error
 from prefixserve.api.openai.protocol import PromptTokensDetails, Usage
 from prefixserve.core.outputs import RequestOutput
@@ -42,7 +43,7 @@ class Chunks:
     chunks (``base``: id, object, model; each with a fresh ``created``), the usage chunk once
     every request finished (``include_usage``; with ``continuous_usage_stats`` every chunk
     carries the usage so far, as vLLM: neither without ``include_usage``; ``usage_details``
-    completes each usage), the error tail and ``[DONE]``. ``observe`` each output first."""
+    completes each usage), the error tail and ``[DONE]`` (``lines``)."""
 
     def __init__(self, base: dict, stream_options: Any, num_prompts: int,
                  usage_details: Callable[[Usage], Usage] = lambda usage: usage) -> None:  # fmt: skip
@@ -83,8 +84,25 @@ class Chunks:
             return None
         return chunk_event(self.base, [], usage=self.usage().model_dump())
 
-    @staticmethod
-    def error(exc: Exception) -> str:
-        return sse(as_api_error(exc).body())
-
-    DONE = sse("[DONE]")
+    async def lines(
+        self,
+        generation: Generation,
+        bodies: Callable[[int, RequestOutput], Iterable[dict]],
+        first: Iterable[dict] = (),
+    ) -> AsyncIterator[str]:
+        """The stream: ``first`` bodies, then each output's (``bodies(request index, delta)``)
+        as they come, the usage chunk, the error tail on a failure, ``[DONE]``. It holds
+        ``generation``: however the stream ends, what did not finish is aborted."""
+        async with generation:
+            try:
+                for body in first:
+                    yield self.chunk(body)
+                async for index, out in generation:
+                    self.observe(index, out)
+                    for body in bodies(index, out):
+                        yield self.chunk(body)
+                    if (usage := self.final_usage()) is not None:
+                        yield usage
+            except Exception as exc:
+                yield sse(as_api_error(exc).body())
+        yield sse("[DONE]")

@@ -153,22 +153,11 @@ class CompletionServing(BaseServing):
             "text_offset": offsets,
         }
 
-    async def _stream(self, req: CompletionRequest, request_id: str, model: str,
-                      generation: Generation) -> AsyncIterator[str]:  # fmt: skip
+    def _stream(self, req: CompletionRequest, request_id: str, model: str,
+                generation: Generation) -> AsyncIterator[str]:  # fmt: skip
         base = {"id": request_id, "object": "text_completion", "model": model}
         chunks = Chunks(base, req.stream_options, len(generation.streams))
-        async with generation:
-            try:
-                events = self._choice_events(req)
-                async for p, out in generation:
-                    chunks.observe(p, out)
-                    for body in events(p, out):
-                        yield chunks.chunk(body)
-                    if (usage := chunks.final_usage()) is not None:
-                        yield usage
-            except Exception as exc:
-                yield chunks.error(exc)
-        yield Chunks.DONE
+        return chunks.lines(generation, self._choice_events(req))
 
     def _choice_events(self, req: CompletionRequest):
         """The chunk bodies of each DELTA output of prompt ``p``: choice ``p * n + index``, its
