@@ -6,7 +6,7 @@ Threads and ownership::
     prepare() (tokenize, validate, grammar submitted: the engine's thread-safe preprocessor)
     add()   --> _pending adds  ------------->   engine.add_request  -> accepted | error
     abort() --> _pending aborts ------------>   engine.abort_request (between steps)
-    retain_kv() / release_kv() / resume_kv()    engine.retain_kv / ... (between steps, before
+    release_kv() / rename_kv()                  engine.release_kv / ... (between steps, before
             --> _pending calls ------------->   the adds; the caller awaits the result)
     RequestStream.queue  <-- call_soon_threadsafe --  engine.step() outputs, one batch per step
     snapshot() <------------- the engine's latest ``EngineStats``, published every step
@@ -54,7 +54,6 @@ from prefixserve.core.sampling_params import BeamSearchParams, SamplingParams
 from prefixserve.engine.llm_engine import EngineStats, LLMEngine
 from prefixserve.engine.output_processor import ProgressObserver
 from prefixserve.engine.preprocessor import PreparedRequest
-from prefixserve.kv.retention import KVRetention
 
 logger = logging.getLogger(__name__)
 
@@ -202,19 +201,13 @@ class AsyncEngine(EngineClient):
             self._aborts.append(request_id)
             self._cond.notify()
 
-    async def retain_kv(
-        self, token_ids: list[int], retention: KVRetention, cache_salt: str | None
-    ) -> int:
-        """``LLMEngine.retain_kv`` between steps."""
-        return await self._call(lambda e: e.retain_kv(token_ids, retention, cache_salt))
-
     async def release_kv(self, session: str) -> int:
         """``LLMEngine.release_kv`` between steps."""
         return await self._call(lambda e: e.release_kv(session))
 
-    async def resume_kv(self, sessions: list[str]) -> int:
-        """``LLMEngine.resume_kv`` of each session, between steps."""
-        return await self._call(lambda e: sum(e.resume_kv(s) for s in sessions))
+    async def rename_kv(self, session: str, name: str) -> None:
+        """``LLMEngine.rename_kv`` between steps."""
+        await self._call(lambda e: e.rename_kv(session, name))
 
     async def _call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         if self.dead is not None:

@@ -17,7 +17,10 @@ other: ``RequestStream``, ``Generation`` and the errors (``EngineDeadError``, ``
             │   admit(count)                                  (503 when the queue is full)
             │   add(request_id, prepared, timeout=) ──> RequestStream of one request's outputs
             │   abort(request_id)                             (client gone, error, timeout)
-            └─ retain_kv / release_kv / resume_kv              (retention outside a request)
+            └─ release_kv / rename_kv                          (name or end a retention session;
+                                                               retention itself rides on the
+                                                               request: SamplingParams.kv_retention,
+                                                               kv_resume)
 
 Invariants every implementation keeps: ``add`` returns once the engine accepted the request or
 raises the error it refused it with; every stream then ends with exactly one terminal item (a
@@ -40,7 +43,6 @@ from prefixserve.core.sampling_params import RequestOutputKind
 if TYPE_CHECKING:
     from prefixserve.core.sampling_params import BeamSearchParams, SamplingParams
     from prefixserve.engine.preprocessor import PreparedRequest
-    from prefixserve.kv.retention import KVRetention
 
 
 class EngineDeadError(RuntimeError):
@@ -234,6 +236,9 @@ class EngineClient(Protocol):
     tokenizer: Any
     eos_token_ids: frozenset[int]
     dead: BaseException | None  # set once the engine can serve nothing more
+    # whether a session can be named or released after its request (not across replicas: the
+    # ingress does not know which replica holds it)
+    names_kv_sessions: bool = True
 
     def start(self) -> None:
         """Begin serving (called on the event loop, in the app's lifespan)."""
@@ -291,15 +296,9 @@ class EngineClient(Protocol):
             raise
         return Generation(self, streams)
 
-    async def retain_kv(
-        self, token_ids: list[int], retention: KVRetention, cache_salt: str | None
-    ) -> int:
-        """Retain the cached blocks of ``token_ids`` outside a request (a reply that ended in a
-        tool call); the number of blocks retained."""
-
     async def release_kv(self, session: str) -> int:
         """Drop what ``session`` retained; the number of blocks released."""
 
-    async def resume_kv(self, sessions: list[str]) -> int:
-        """The sessions' next turn arrived: their pauses end (a TTL sample each) and their
-        retention is dropped; the number of blocks released."""
+    async def rename_kv(self, session: str, name: str) -> None:
+        """What ``session`` retained is held under ``name`` instead (a reply's provisional
+        pause, named after the tool call it made)."""

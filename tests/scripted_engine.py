@@ -45,8 +45,8 @@ class ScriptedEngine(EngineClient):
     requests: list[tuple[list[int], Any]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     overloaded: bool = False  # admit refuses with a 503
-    retained: list[tuple[list[int], Any, str | None]] = field(default_factory=list)
-    resumed: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)  # retention sessions released
+    renamed: list[tuple[str, str]] = field(default_factory=list)  # (session, its new name)
     routing_keys: list[str | None] = field(default_factory=list)
 
     @property
@@ -66,16 +66,12 @@ class ScriptedEngine(EngineClient):
         if self.overloaded:
             raise EngineOverloadedError("the queue is full")
 
-    async def retain_kv(self, token_ids: list[int], retention: Any, cache_salt: str | None) -> int:
-        self.retained.append((list(token_ids), retention, cache_salt))
-        return 0
-
     async def release_kv(self, session: str) -> int:
+        self.released.append(session)
         return 0
 
-    async def resume_kv(self, sessions: list[str]) -> int:
-        self.resumed += sessions
-        return 0
+    async def rename_kv(self, session: str, name: str) -> None:
+        self.renamed.append((session, name))
 
     async def add(self, request_id: str, prepared: Any, *, timeout: float | None = None,
                   routing_key: str | None = None):  # fmt: skip

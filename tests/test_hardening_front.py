@@ -22,7 +22,9 @@ from test_reliability import inprocess, wait_idle
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from prefixserve.api.frontend.tool_call_retention import ToolCallRetention
+from prefixserve.api.anthropic import messages as anthropic_messages
+from prefixserve.api.openai import chat
+from prefixserve.api.openai.responses import serving as responses_serving
 from prefixserve.api.server import ServerConfig, create_app
 from prefixserve.core.config import EngineConfig
 from prefixserve.engine.llm_engine import LLMEngine
@@ -177,18 +179,20 @@ def test_a_refused_tool_message_reaches_no_engine():
 
 
 def test_an_error_after_the_add_aborts_what_was_added(monkeypatch):
-    def broken(self, inputs, results):
-        raise RuntimeError("a bug after add_all")
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug after the add")
 
-    monkeypatch.setattr(ToolCallRetention, "resumed", broken)
+    for module in (chat, anthropic_messages, responses_serving):  # each handler's last step once added
+        monkeypatch.setattr(module, "event_stream", broken)
 
     async def main() -> None:
         async with inprocess() as (c, engine):
             for path, body, headers in (
                 ("/v1/chat/completions", {"messages": HI, "n": 4, "max_tokens": 200,
-                                          "ignore_eos": True}, {}),
-                ("/v1/messages", {"messages": HI, "max_tokens": 200}, ANTHROPIC),
-                ("/v1/responses", {"input": "hi", "max_output_tokens": 200, "store": False}, {}),
+                                          "ignore_eos": True, "stream": True}, {}),
+                ("/v1/messages", {"messages": HI, "max_tokens": 200, "stream": True}, ANTHROPIC),
+                ("/v1/responses", {"input": "hi", "max_output_tokens": 200, "store": False,
+                                   "stream": True}, {}),
             ):  # fmt: skip
                 before = engine.snapshot().generation_tokens
                 r = await c.post(path, headers=headers, json={"model": MODEL, **body})

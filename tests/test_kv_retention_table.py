@@ -151,3 +151,16 @@ def test_with_a_host_tier_a_retained_block_leaves_the_budget_once_no_tier_keeps_
     host.clear()
     mgr.tick()
     assert table.usage("A") == 0 and len(table) == 0
+
+
+def test_a_renamed_pause_keeps_its_blocks_and_its_start_under_the_new_name():
+    clock = Clock()
+    table = RetentionTable(8, clock=clock, learn_ttl=True)
+    table.retain(chain(0, 3), None, "s/~req", "A")  # a pause: the learned TTL
+    clock.now = 2.0
+    table.rename("s/~req", "s/call_1")
+    assert table.release("s/~req") == [] and table.is_retained(2)  # the old name is gone
+    clock.now = 5.0
+    table.observe_request("s/call_1")  # the next turn: the gap runs from the pause, 5 s
+    assert list(table._gaps) == [5.0]
+    assert table.release("s/call_1") == chain(0, 3) and len(table) == 0

@@ -123,9 +123,13 @@ def test_every_protocol_reads_the_same_reply_the_same_way(stream):
         blocks = messages(client, stream, tools=MESSAGES_TOOLS)
         assert [(b["type"], b.get("text", b.get("input"))) for b in blocks] == [
             ("text", "Sure.\n"), ("tool_use", {"a": 1}), ("tool_use", {})]  # fmt: skip
-    # each protocol's reply ended in a call: each paused its session, keyed by its first call
-    sessions = [r.session for _, r, _ in engine.retained]
-    assert len(sessions) == 3 and all(s.startswith("/call_") for s in sessions)
+    # each protocol's reply ended in a call: each named its provisional pause after its first call
+    pauses = [[r.session for r in params.kv_retention if r.ttl_s is None]
+              for _, params in engine.requests]  # fmt: skip
+    assert len(pauses) == 3 and all(len(p) == 1 and p[0].startswith("/~") for p in pauses)
+    assert [old for old, _ in engine.renamed] == [p[0] for p in pauses]
+    assert all(name.startswith("/call_") for _, name in engine.renamed)
+    assert engine.released == []
 
 
 def test_bug3_reasoning_items_with_string_content_and_at_the_end():

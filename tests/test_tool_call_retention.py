@@ -13,31 +13,30 @@ from prefixserve.api.frontend.tenancy import Tenant
 from prefixserve.api.frontend.tool_call_retention import ToolCallRetention, session_of
 from prefixserve.api.openai.prompt_cache import DAY_S, retention_of
 from prefixserve.api.parsing.reply import Finish, TextDelta, ToolCallDelta, first_call
-from prefixserve.core.outputs import CompletionOutput
 from prefixserve.core.sampling_params import SamplingParams
 
 
 class RecordingEngine:
+    names_kv_sessions = True
+
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 
-    async def retain_kv(self, token_ids, retention, cache_salt):
-        self.calls.append(("retain", token_ids, retention, cache_salt))
-        return 1
+    async def rename_kv(self, session, name):
+        self.calls.append(("rename", session, name))
 
-    async def resume_kv(self, sessions):
-        self.calls.append(("resume", sessions))
+    async def release_kv(self, session):
+        self.calls.append(("release", session))
         return 0
 
 
-def inputs(salt: str | None = "s") -> SimpleNamespace:
-    return SimpleNamespace(prompt_token_ids=[1, 2, 3], params=SamplingParams(cache_salt=salt),
-                           tenant=Tenant("team-a", isolated=True))  # fmt: skip
+TENANT = Tenant("team-a", isolated=True)
+SALT = TENANT.cache_salt("s")  # what the engine's parameters carry
 
 
-def output(finish_reason: str = "stop") -> CompletionOutput:
-    return CompletionOutput(index=0, text="", token_ids=[7, 8], cumulative_logprob=None,
-                            logprobs=None, finish_reason=finish_reason)  # fmt: skip
+def inputs(r: ToolCallRetention) -> SimpleNamespace:
+    pause = r.pause("chatcmpl-1", TENANT, "s")
+    return SimpleNamespace(params=SamplingParams(cache_salt=SALT, kv_retention=pause))
 
 
 def run(retention: ToolCallRetention, *steps) -> None:
@@ -50,35 +49,41 @@ def run(retention: ToolCallRetention, *steps) -> None:
     asyncio.run(main())
 
 
-def test_a_call_at_the_end_of_a_reply_retains_prompt_and_reply_under_its_session():
+def test_a_request_offered_tools_carries_a_provisional_pause_of_its_tenant():
+    (pause,) = ToolCallRetention(RecordingEngine()).pause("chatcmpl-1", TENANT, "s")
+    assert pause.ttl_s is None and pause.include_output  # the learned TTL, prompt and reply
+    assert pause.session == session_of(SALT, "~chatcmpl-1") and pause.tenant == "team-a"
+
+
+def test_a_reply_that_stopped_on_a_call_names_its_pause_after_the_call():
     engine = RecordingEngine()
     r = ToolCallRetention(engine)
-    c = output()
-    run(r, lambda: r.paused(inputs(), c.token_ids, c.finish_reason, "call_1"))
-    ((kind, ids, retention, salt),) = engine.calls
-    assert (kind, ids, salt) == ("retain", [1, 2, 3, 7, 8], "s")
-    assert retention.ttl_s is None and retention.session == session_of("s", "call_1") == "s/call_1"
-    assert retention.tenant == "team-a"  # its share of the retention budget
+    run(r, lambda: r.paused(inputs(r), "stop", "call_1"))
+    assert engine.calls == [("rename", f"{SALT}/~chatcmpl-1", f"{SALT}/call_1")]
 
 
-@pytest.mark.parametrize("call_id, reason, enabled", [(None, "stop", True),
-                                                      ("c", "length", True),
-                                                      ("c", "abort", True),
-                                                      ("c", "stop", False)])  # fmt: skip
-def test_nothing_is_retained_without_a_finished_call_or_when_off(call_id, reason, enabled):
-    engine = RecordingEngine()
-    r = ToolCallRetention(engine, enabled)
-    c = output(reason)
-    run(r, lambda: r.paused(inputs(), c.token_ids, c.finish_reason, call_id))
-    assert engine.calls == []
-
-
-def test_results_resume_their_sessions_once_each():
+@pytest.mark.parametrize("call_id, reason", [(None, "stop"), ("c", "length"), ("c", "abort")])
+def test_a_reply_without_a_finished_call_releases_its_pause(call_id, reason):
     engine = RecordingEngine()
     r = ToolCallRetention(engine)
-    run(r, lambda: r.resumed(inputs(None), ["a", "b", "a", None]),
-        lambda: r.resumed(inputs(), []))  # fmt: skip
-    assert engine.calls == [("resume", ["/a", "/b"])]
+    run(r, lambda: r.paused(inputs(r), reason, call_id))
+    assert engine.calls == [("release", f"{SALT}/~chatcmpl-1")]
+
+
+def test_off_or_across_replicas_nothing_is_carried_or_called():
+    off = ToolCallRetention(RecordingEngine(), enabled=False)
+    replicas = RecordingEngine()
+    replicas.names_kv_sessions = False
+    for r in (off, ToolCallRetention(replicas)):
+        assert r.pause("x", TENANT, "s") == () and r.resumes(TENANT, "s", ["a"]) == ()
+        run(r, lambda r=r: r.paused(inputs(r), "stop", "call_1"))
+    assert off.engine.calls == [] and replicas.calls == []
+
+
+def test_results_name_the_sessions_they_resume_once_each():
+    r = ToolCallRetention(RecordingEngine())
+    assert r.resumes(Tenant(), None, ["a", "b", "a", None]) == ("/a", "/b")
+    assert r.resumes(TENANT, "s", ["a"]) == (f"{SALT}/a",)
 
 
 def test_first_call_of_parts():

@@ -148,17 +148,17 @@ class MessagesServing(TemplateServing):
         structured = structured_outputs_of(chat_req)
         tenant = tenant_of(raw_request)
         retention = retentions(marks, tenant.namespace(req.cache_salt), tenant.owner)
-        inputs = self.prepare(GenerationRequest(prompt, tools, req.sampling_options(),
-                                                req.max_tokens, structured, tenant=tenant,
-                                                retention=retention))  # fmt: skip
         message_id = random_id("msg_")
         results = [m["tool_call_id"] for m in chat_req.messages if m.get("role") == "tool"]
+        inputs = self.prepare(GenerationRequest(
+            prompt, tools, req.sampling_options(), req.max_tokens, structured, tenant=tenant,
+            retention=retention, request_id=message_id, tool_results=tuple(results),
+        ))  # fmt: skip
         thinking = req.thinking or {}
         budgeted = thinking.get("type") == "enabled"  # read as it comes: deltas
         generation = await self.generate(message_id, [prompt], [inputs.params], "messages",
                                          inputs.grammar_source, stream=req.stream or budgeted)  # fmt: skip
         with self.owned(generation):
-            self.tool_calls.resumed(inputs, results)
             if budgeted:
                 generation = Generation(self.engine, [BudgetedStream(
                     self.engine, generation.streams[0], prompt, inputs.params,
@@ -172,7 +172,7 @@ class MessagesServing(TemplateServing):
         blocks = BlockEvents(self.reply_parser(inputs))
         content = content_of(blocks.feed(self.visible_text(c, inputs.mode), _finish(c)))
         reason, sequence = stop_reason_of(c, blocks.has_calls)
-        self.tool_calls.paused(inputs, c.token_ids, c.finish_reason, blocks.first_call)
+        self.tool_calls.paused(inputs, c.finish_reason, blocks.first_call)
         return MessagesResponse(
             id=message_id, model=model, content=content, stop_reason=reason,
             stop_sequence=sequence, usage=usage_of(final, self.block_size, marks),
@@ -211,8 +211,7 @@ class MessagesServing(TemplateServing):
             body = blocks.feed(text, finish) if text or finish else []
             if out.finished:
                 reason, sequence = stop_reason_of(c, blocks.has_calls)
-                self.tool_calls.paused(inputs, totals.token_ids(0), c.finish_reason,
-                                       blocks.first_call)  # fmt: skip
+                self.tool_calls.paused(inputs, c.finish_reason, blocks.first_call)
                 usage = usage_of(out, self.block_size, marks, totals.num_tokens())
                 body.append(("message_delta", {
                     "delta": {"stop_reason": reason, "stop_sequence": sequence},

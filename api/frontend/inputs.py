@@ -125,18 +125,22 @@ class TemplateServing(BaseServing):
     def prepare(self, request: GenerationRequest) -> EngineInputs:
         """The engine inputs of ``request``: its tool mode, grammar (the response format, or the
         forced calls that replace it), reasoning tags and sampling parameters, salted for its
-        tenant, with its retention."""
-        tools, prompt = request.tools, request.prompt_token_ids
+        tenant, with its retention: its own, a provisional pause when its reply may call a
+        tool, and the sessions of the tool results it carries (``tool_call_retention``)."""
+        tools, prompt, sampling = request.tools, request.prompt_token_ids, request.sampling
         mode = self.tool_mode(tools)
         tail = self.engine.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:])
         grammar, source = self._grammar(tools, mode, request.structured, reasoning_tags(
             self.reasoning_parser, tail))  # fmt: skip
-        params = self.make_params(request.sampling, request.max_tokens, request.logprobs,
-                                  grammar, request.prompt_logprobs, request.tenant,
-                                  request.retention)  # fmt: skip
+        retention, tenant = request.retention, request.tenant
+        if mode is not ToolMode.NONE and request.request_id and not sampling.use_beam_search:
+            retention += self.tool_calls.pause(request.request_id, tenant, sampling.cache_salt)
+        resumes = self.tool_calls.resumes(tenant, sampling.cache_salt, request.tool_results)
+        params = self.make_params(sampling, request.max_tokens, request.logprobs, grammar,
+                                  request.prompt_logprobs, tenant, retention, resumes)  # fmt: skip
         if mode is not ToolMode.NONE and hasattr(params, "skip_special_tokens"):
             params.skip_special_tokens = False  # tool-call tags may be special tokens
-        return EngineInputs(prompt, params, mode, tools, tail, source, request.tenant)
+        return EngineInputs(prompt, params, mode, tools, tail, source, tenant)
 
     def _grammar(
         self,

@@ -54,7 +54,9 @@ class GenerationRequest:
     tool call replaces it); ``logprobs``: top logprobs per generated token (None: none);
     ``prompt_logprobs``: vLLM's; ``retention``: the prompt KV to keep past the request
     (``prompt_cache_retention``, ``cache_control`` marks), which the engine applies
-    (``SamplingParams.kv_retention``).
+    (``SamplingParams.kv_retention``); ``request_id``: names the pause on a tool call the reply
+    may end with (``tool_call_retention``); ``tool_results``: the call ids whose results the
+    request carries (their pauses end).
     """
 
     prompt_token_ids: list[int]
@@ -66,3 +68,5 @@ class GenerationRequest:
     prompt_logprobs: int | None = None
     tenant: Tenant = NO_TENANT
     retention: tuple[KVRetention, ...] = ()
+    request_id: str | None = None
+    tool_results: tuple[str, ...] = ()

@@ -99,11 +99,12 @@ class BaseServing:
         prompt_logprobs: int | None = None,
         tenant: Tenant = NO_TENANT,
         kv_retention: tuple[KVRetention, ...] = (),
+        kv_resume: tuple[str, ...] = (),
     ):
         """Engine parameters of a request's sampling options ``req`` (the engine checks them
         against the context and the vocabulary); its cache salt is the ``tenant``'s
         (``frontend.tenancy``); ``kv_retention``: the prompt KV it keeps (not with beam
-        search)."""
+        search); ``kv_resume``: the retention sessions it continues."""
         if self.require_cache_salt and not req.cache_salt:
             raise APIError(
                 "cache_salt: this server requires a non-empty 'cache_salt' on every request "
@@ -156,6 +157,7 @@ class BaseServing:
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
                 segment_reuse=req.segment_reuse,
                 kv_retention=kv_retention,
+                kv_resume=kv_resume,
             )
         except InvalidArgumentError as exc:
             raise APIError(str(exc), 400, exc.param) from exc

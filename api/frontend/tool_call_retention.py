@@ -1,22 +1,28 @@
 """An agent paused on a tool call keeps its KV: the front end's half of the retention.
 
 A reply that ends in a tool call means the client runs the tool and comes back with its result,
-resending the whole conversation. Every protocol reports it here the same way::
+resending the whole conversation. The retention rides on the requests; the front end only names
+or releases a session. Every protocol uses it the same way::
 
-    paused(inputs, token_ids,     the reply (its generated ``token_ids``) stopped on the call
-           reason, call_id)       ``call_id``: the engine retains the prompt's and the
-                                  reply's full blocks, session ``<salt>/<call id>``, for
-                                  the TTL it learned from earlier pauses (``kv.retention``)
-    resumed(inputs, call_ids)     a request carries the results of those calls: each session's
-                                  gap is a TTL sample and its retention ends (the new request
-                                  reads the blocks; its own reply retains them if it pauses)
+    pause(request_id, tenant, salt)  a request offered tools carries a provisional pause:
+                                  KVRetention(ttl_s=None, include_output), session
+                                  ``<salt>/~<request id>``; the engine applies it when the
+                                  request retires, if its reply stopped (the blocks' hashes
+                                  are the engine's own: nothing is sent back to be hashed)
+    paused(inputs, reason, call)  the reply ended: with a call, the session is named
+                                  ``<salt>/<call id>`` and holds for the TTL the engine learned
+                                  from earlier pauses (``kv.retention``); without, released
+    resumes(tenant, salt, calls)  a request carrying the results of those calls names their
+                                  sessions in ``kv_resume``: the engine samples each gap for
+                                  the TTL and releases the session as it takes the request
 
 Sessions are named by the engine's cache salt (already the tenant's, ``frontend.tenancy``) and
 the call id, so only a request of the same tenant carrying that call's result resumes one; the
-retention counts against the tenant's share of the budget (``inputs.tenant``, ``kv.retention``).
-Both are fire-and-forget: a reply is never delayed by them, and a failure is logged, not raised
-(retention is a preference, never a correctness matter). Off with ``enabled=False``
-(``--no-retain-tool-call-kv``).
+retention counts against the tenant's share of the budget (``Tenant.owner``, ``kv.retention``).
+Only a request's first reply (choice 0) is retained. Naming and releasing are fire-and-forget:
+a reply is never delayed by them, and a failure is logged, not raised (retention is a
+preference, never a correctness matter). Off with ``enabled=False``
+(``--no-retain-tool-call-kv``), and across replicas (``EngineClient.names_kv_sessions``).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import logging
 from collections.abc import Coroutine, Iterable
 from typing import TYPE_CHECKING, Any
 
+from prefixserve.api.frontend.tenancy import Tenant
 from prefixserve.kv.retention import KVRetention
 
 if TYPE_CHECKING:
@@ -42,27 +49,40 @@ def session_of(cache_salt: str | None, call_id: str) -> str:
 class ToolCallRetention:
     def __init__(self, engine: EngineClient, enabled: bool = True) -> None:
         self.engine = engine
-        self.enabled = enabled
+        self.enabled = enabled and engine.names_kv_sessions
         self._tasks: set[asyncio.Task] = set()  # held until done (the loop keeps weak refs)
 
-    def paused(self, inputs: EngineInputs, token_ids: list[int], finish_reason: str | None,
-               call_id: str | None) -> None:  # fmt: skip
-        """A reply to ``inputs`` (its generated ``token_ids``) finished with ``finish_reason``
-        and the call ``call_id`` (None: no call)."""
-        salt = getattr(inputs.params, "cache_salt", None)
-        if not self.enabled or call_id is None or finish_reason != "stop":
-            return
-        retention = KVRetention(
-            ttl_s=None, session=session_of(salt, call_id), tenant=inputs.tenant.owner
-        )
-        self._spawn(self.engine.retain_kv([*inputs.prompt_token_ids, *token_ids], retention, salt))
+    def pause(self, request_id: str, tenant: Tenant, cache_salt: str | None
+              ) -> tuple[KVRetention, ...]:  # fmt: skip
+        """The provisional pause a request offered tools carries (``cache_salt``: the
+        request's own, before the tenant salts it)."""
+        if not self.enabled:
+            return ()
+        session = session_of(tenant.cache_salt(cache_salt), f"~{request_id}")
+        return (KVRetention(ttl_s=None, include_output=True, session=session,
+                            tenant=tenant.owner),)  # fmt: skip
 
-    def resumed(self, inputs: EngineInputs, call_ids: Iterable[Any]) -> None:
-        """The request of ``inputs`` carries the results of ``call_ids``."""
-        salt = getattr(inputs.params, "cache_salt", None)
-        sessions = [session_of(salt, i) for i in dict.fromkeys(call_ids) if isinstance(i, str)]
-        if self.enabled and sessions:
-            self._spawn(self.engine.resume_kv(sessions))
+    def paused(self, inputs: EngineInputs, finish_reason: str | None, call_id: str | None) -> None:
+        """The reply to ``inputs`` finished with ``finish_reason`` and its first call ``call_id``
+        (None: no call): its provisional pause is named after the call, or released."""
+        pauses = [r.session for r in getattr(inputs.params, "kv_retention", ())
+                  if r.ttl_s is None and r.session is not None]  # fmt: skip
+        if not pauses:
+            return
+        (provisional,) = pauses
+        if call_id is not None and finish_reason == "stop":
+            salt = getattr(inputs.params, "cache_salt", None)
+            self._spawn(self.engine.rename_kv(provisional, session_of(salt, call_id)))
+        else:
+            self._spawn(self.engine.release_kv(provisional))
+
+    def resumes(self, tenant: Tenant, cache_salt: str | None, call_ids: Iterable[Any]
+                ) -> tuple[str, ...]:  # fmt: skip
+        """The sessions a request carrying the results of ``call_ids`` continues."""
+        if not self.enabled:
+            return ()
+        salt = tenant.cache_salt(cache_salt)
+        return tuple(session_of(salt, i) for i in dict.fromkeys(call_ids) if isinstance(i, str))
 
     def _spawn(self, call: Coroutine) -> None:
         task = asyncio.get_running_loop().create_task(call)

@@ -89,23 +89,22 @@ class ChatServing(TemplateServing):
                                  retention_session(namespace, request_id), tenant.owner)  # fmt: skip
         inputs = self.prepare(GenerationRequest(
             prompt, tools, req.sampling_options(), req.max_completion_tokens or req.max_tokens,
-            (structured, source), logprobs, req.prompt_logprobs, tenant, retention,
+            (structured, source), logprobs, req.prompt_logprobs, tenant, retention, request_id,
+            tuple(results),
         ))  # fmt: skip
         generation = await self.generate(
             request_id, [prompt], [inputs.params], "messages", inputs.grammar_source,
             routing_key(namespace, req.prompt_cache_key), stream=req.stream,
         )  # fmt: skip
         with self.owned(generation):
-            self.tool_calls.resumed(inputs, results)
             if req.stream:
                 return event_stream(self._stream(req, request_id, model, generation, inputs),
                                     headers)  # fmt: skip
         final = (await self.collect(raw_request, generation))[0]
         choices = [self._choice(req, c, inputs) for c in final.outputs]
-        for c, choice in zip(final.outputs, choices):
-            calls = choice.message.tool_calls
-            self.tool_calls.paused(inputs, c.token_ids, c.finish_reason,
-                                   calls[0].id if calls else None)  # fmt: skip
+        calls = choices[0].message.tool_calls  # the first reply's KV is the one retained
+        self.tool_calls.paused(inputs, final.outputs[0].finish_reason,
+                               calls[0].id if calls else None)  # fmt: skip
         usage = usage_of([final])
         if self.reasoning_parser is not None:
             counts = [self.reasoning_tokens(c.token_ids, ch.message.reasoning_content)
@@ -236,11 +235,10 @@ class _ChoiceEncoder:
                 done = parts[-1]
                 assert isinstance(done, Finish)
                 reason = _finish_reason(c.finish_reason, mode, done.called)
-                token_ids = self.totals.token_ids(c.index)
-                serving.tool_calls.paused(inputs, token_ids, c.finish_reason,
-                                          self.call_ids.get(c.index))  # fmt: skip
+                if c.index == 0:  # the first reply's KV is the one retained
+                    serving.tool_calls.paused(inputs, c.finish_reason, self.call_ids.get(0))
                 self.reasoning_tokens[c.index] = serving.reasoning_tokens(
-                    token_ids, "" if done.reasoned else None)  # fmt: skip
+                    self.totals.token_ids(c.index), "" if done.reasoned else None)  # fmt: skip
             for k, delta in enumerate(deltas):  # logprobs first, the finish reason last
                 last = k == len(deltas) - 1
                 part_lps, part_reason = (lps if k == 0 else None), (reason if last else None)

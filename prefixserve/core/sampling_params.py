@@ -49,6 +49,11 @@ class SamplingParams:
     the prompt up to each one's ``num_tokens`` for its TTL, as soft priority over other cached
     blocks (``prefixserve.kv.retention``). Stored as a tuple.
 
+    ``kv_resume``: retention sessions this request continues (the result of the tool call a
+    reply paused on): when the engine takes it, each one's pause ends (the gap is a sample of
+    the learned TTL) and its retention is released (the request reads the blocks). Stored as a
+    tuple.
+
     ``segment_reuse``: False opts this request out of segment reuse on an engine that has it on
     (``EngineConfig.segment_reuse``): its output is then exact; None or True follow the engine.
 
@@ -81,12 +86,14 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     kv_retention: KVRetention | list[KVRetention] | tuple[KVRetention, ...] | None = None
     segment_reuse: bool | None = None
+    kv_resume: tuple[str, ...] | list[str] = ()
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_retention, KVRetention):
             self.kv_retention = (self.kv_retention,)
         self.kv_retention = tuple(self.kv_retention or ())
+        self.kv_resume = tuple(self.kv_resume or ())
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -188,6 +195,11 @@ class SamplingParams:
             all(isinstance(r, KVRetention) for r in self.kv_retention),
             "kv_retention",
             "must be a KVRetention, a list of them or None",
+        )
+        require(
+            all(isinstance(r, str) and r for r in self.kv_resume),
+            "kv_resume",
+            "must be a list of non-empty session names",
         )
 
     @property

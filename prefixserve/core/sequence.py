@@ -146,6 +146,11 @@ class Request:
         return getattr(self.params, "kv_retention", ())
 
     @property
+    def kv_resume(self) -> tuple[str, ...]:
+        """The sessions its parameters continue (none for beam search)."""
+        return getattr(self.params, "kv_resume", ())
+
+    @property
     def is_beam_search(self) -> bool:
         return isinstance(self.params, BeamSearchParams)
 

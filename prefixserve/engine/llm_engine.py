@@ -45,9 +45,8 @@ from prefixserve.engine.output_processor import OutputProcessor
 from prefixserve.engine.preprocessor import PreparedRequest, RequestPreprocessor, StepLimits
 from prefixserve.engine.scheduler import KVUsage, Scheduler
 from prefixserve.engine.stop_checker import StopChecker
-from prefixserve.kv.hashing import extend_block_hashes
 from prefixserve.kv.kv_cache_manager import KVCacheManager
-from prefixserve.kv.retention import KVRetention, RetentionTable
+from prefixserve.kv.retention import RetentionTable
 from prefixserve.kv.segment_bounds import break_token_ids
 from prefixserve.kv.segments import SegmentReuse
 from prefixserve.kv.tiers import build_kv_tiers
@@ -380,29 +379,15 @@ class LLMEngine:
 
     # ---- retention (the protocol fronts map cache_control / prompt_cache_retention here) ------
 
-    def retain_kv(
-        self, token_ids: list[int], retention: KVRetention, cache_salt: str | None = None
-    ) -> int:
-        """Retain the cached blocks of ``token_ids`` (under ``cache_salt``) as ``retention`` says,
-        outside any request: e.g. after a response that ended in a tool call, with
-        ``KVRetention(ttl_s=None, session=...)`` for the TTL learned from tool-call gaps.
-        Returns the number of blocks retained (within the budget)."""
-        hashes: list[int] = []
-        extra_keys = (cache_salt,) if cache_salt is not None else ()
-        extend_block_hashes(token_ids, self.config.block_size, extra_keys, hashes)
-        return self.scheduler.retain_kv(token_ids, hashes, retention)
-
     def release_kv(self, session: str) -> int:
         """Drop what ``session`` retained (its blocks stay cached as ordinary blocks); the
         number of blocks released."""
         return self.scheduler.release_kv(session)
 
-    def resume_kv(self, session: str) -> int:
-        """``session``'s next turn arrived (a tool result for a call its reply made): the gap
-        since it paused is a sample for the learned TTL, and its retention ends (the blocks stay
-        cached for the new turn to read; its own reply retains them again if it pauses).
-        Returns the number of blocks no longer retained."""
-        return self.scheduler.resume_kv(session)
+    def rename_kv(self, session: str, name: str) -> None:
+        """What ``session`` retained is held under ``name`` instead (a reply's provisional
+        pause named after the tool call it ended with)."""
+        self.scheduler.rename_kv(session, name)
 
 
 def _derive_seed(seed: int, index: int) -> int:

@@ -16,7 +16,9 @@ is recomputed, and its sequence runs the stretches between reused spans as the p
 step (``ScheduledSeq.pieces``), stepping over the spans (``Sequence.reuse_spans``). Retention a
 request carries (``SamplingParams.kv_retention``) is applied to its prompt once the prompt is computed (so its
 first output reports what was granted, ``RequestOutput.kv_retained_tokens``), and to its output
-(``include_output``) when it is retired.
+(``include_output``) when it is retired; a pause on a tool call (``ttl_s`` None) only to a reply
+that stopped. The sessions it continues (``SamplingParams.kv_resume``) are released when it is
+queued. Nothing of a request's retention is hashed again: its blocks' hashes are its own.
 
 When the KV cache runs out for a running request, the lowest-priority running request (the last
 one, never one already scheduled this step) is preempted: its blocks are freed (full ones stay
@@ -49,7 +51,6 @@ from prefixserve.core.sequence import Request, RequestStatus, Sequence
 from prefixserve.engine.request_lifecycle import RequestLifecycle
 from prefixserve.engine.stop_checker import StopChecker
 from prefixserve.kv.kv_cache_manager import KVCacheManager, PrefixHit
-from prefixserve.kv.retention import KVRetention
 from prefixserve.kv.segments import SegmentPlan
 from prefixserve.sample.sampling_step import SamplingResult
 from prefixserve.spec_decode.proposer import DraftProposer
@@ -143,6 +144,9 @@ class Scheduler:
         for retention in request.kv_retention:
             if retention.session is not None:
                 self.kv.observe_session(retention.session)
+        for session in request.kv_resume:
+            self.kv.observe_session(session)  # the gap since its pause: a TTL sample
+            self.kv.release(session)  # the new turn reads the blocks; its reply may pause again
         self._start_kv_load(request)  # prefetch from the tiers while it waits in line
 
     def abort_request(self, request_id: str, error: str | None = None) -> Request | None:
@@ -157,17 +161,11 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 
-    def retain_kv(
-        self, token_ids: list[int], block_hashes: list[int], retention: KVRetention
-    ) -> int:
-        return self.kv.retain(token_ids, block_hashes, retention)
-
     def release_kv(self, session: str) -> int:
         return self.kv.release(session)
 
-    def resume_kv(self, session: str) -> int:
-        self.kv.observe_session(session)
-        return self.kv.release(session)
+    def rename_kv(self, session: str, name: str) -> None:
+        self.kv.rename(session, name)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -511,8 +509,9 @@ class Scheduler:
 
     def _retain(self, request: Request, retiring: bool) -> None:
         """Apply the request's retentions not applied yet: to its prompt once it is computed (or
-        it retires), ``include_output`` ones to its first sequence's whole text when it retires.
-        Records the tokens each one retained."""
+        it retires), ``include_output`` ones to its first sequence's whole text when it retires;
+        a pause (``ttl_s`` None: on a tool call) only to a reply that stopped (EOS or a stop
+        string), the only kind that can end in a call. Records the tokens each one retained."""
         if not request.kv_retention:
             return
         seq = request.seqs[0]
@@ -520,6 +519,8 @@ class Scheduler:
         for i, retention in enumerate(request.kv_retention):
             applied = request.kv_retained_tokens[i] is not None
             if applied or not prompt_done or (retention.include_output and not retiring):
+                continue
+            if retention.ttl_s is None and seq.finish_reason != "stop":
                 continue
             end = seq.num_tokens if retention.include_output else seq.num_prompt_tokens
             blocks = self.kv.retain(seq.token_ids[:end], seq.block_hashes, retention)

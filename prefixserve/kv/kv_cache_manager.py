@@ -603,6 +603,11 @@ class KVCacheManager:
         self.pool.unretain(hashes)
         return len(hashes)
 
+    def rename(self, session: str, name: str) -> None:
+        """What ``session`` retained is held under ``name`` instead."""
+        if self.retention is not None:
+            self.retention.rename(session, name)
+
     def observe_session(self, session: str) -> None:
         """A request of ``session`` arrived (the TTL learner's gap since its tool-call pause)."""
         if self.retention is not None:

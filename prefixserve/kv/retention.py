@@ -11,6 +11,8 @@ map Anthropic's ``cache_control`` TTLs and OpenAI's ``prompt_cache_retention`` o
                                         the same prefix again refreshes its session (the later
                                         expiry wins, the name is added), it adds no session
     release(name)   the name leaves its sessions; a session left without names ends
+    rename(old, new)   the sessions named ``old`` take the name ``new`` instead (a reply's
+                    provisional pause named after the tool call it made)
     expire()        sessions whose time passed end
     drop(hashes)    blocks that left the pool and every tier: they leave every session
 
@@ -266,6 +268,17 @@ class RetentionTable:
                 out += self._end(s)
         self.released += len(out)
         return out
+
+    def rename(self, old: str, new: str) -> None:
+        """The sessions named ``old`` are named ``new`` instead, a pause on a tool call with
+        them (its start kept: the gap to the next turn runs from the reply's end)."""
+        paused = self._paused.pop(old, None)
+        if paused is not None:
+            self._paused[new] = paused
+        for key in self._names.pop(old, ()):
+            s = self._sessions[key]
+            del s.names[old]
+            self._name(s, new)
 
     def drop(self, hashes: Iterable[BlockHash]) -> None:
         """These blocks left the pool and every tier: they leave the budget."""

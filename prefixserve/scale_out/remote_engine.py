@@ -168,20 +168,19 @@ class RemoteEngine(EngineClient):
             pump.cancel()
             self._fail(stream, error)
 
-    # ---- retention outside a request -----------------------------------------------------------
-    # A request's own retention (cache_control, prompt_cache_retention) travels in its params to
-    # the replica that serves it. Retention after the fact (a reply that ended in a tool call) and
-    # releasing need the replica that holds the blocks, which the ingress does not track: not
-    # available across replicas yet.
+    # ---- retention sessions ---------------------------------------------------------------------
+    # A request's own retention (cache_control, prompt_cache_retention, kv_resume) travels in its
+    # params to the replica that serves it. Naming or releasing a session later needs the replica
+    # that holds it, which the ingress does not track: not available across replicas yet (so the
+    # fronts add no tool-call pause, ``names_kv_sessions``).
 
-    async def retain_kv(self, token_ids, retention, cache_salt) -> int:
-        return 0
-
-    async def resume_kv(self, sessions: list[str]) -> int:
-        return 0
+    names_kv_sessions = False
 
     async def release_kv(self, session: str) -> int:
         raise APIError("releasing retained KV is not available with --replicas yet", 501)
+
+    async def rename_kv(self, session: str, name: str) -> None:
+        raise APIError("naming retained KV is not available with --replicas yet", 501)
 
     # ---- one request ---------------------------------------------------------------------------
 

@@ -131,8 +131,9 @@ class ResponsesServing(TemplateServing):
     async def create(self, req: ResponsesRequest, raw_request: Request):
         """The response (a JSON body or an event stream), with ``_notices`` as headers."""
         turn, generation = await self.start(req, tenant_of(raw_request), stream=req.stream)
-        if req.stream:
-            return event_stream(turn.sse(generation), turn.headers)
+        with self.owned(generation):
+            if req.stream:
+                return event_stream(turn.sse(generation), turn.headers)
         final = (await self.collect(raw_request, generation))[0]
         return JSONResponse(await turn.complete(final), headers=turn.headers)
 
@@ -172,18 +173,18 @@ class ResponsesServing(TemplateServing):
         retention = retention_of(req.prompt_cache_retention, retention_session(
             tenant.namespace(req.cache_salt), response_id), tenant.owner)  # fmt: skip
         # generate: false (a warm-up) runs the prompt and discards its one token
+        results = [i["call_id"] for i in new_items if i.get("type") in (
+            "function_call_output", "custom_tool_call_output")]  # fmt: skip
         inputs = self.prepare(GenerationRequest(
             prompt.token_ids, tools, sampling, req.max_output_tokens if req.generate else 1,
             _text_format(req, tools), logprobs, tenant=tenant, retention=retention,
+            request_id=response_id if req.generate else None, tool_results=tuple(results),
         ))  # fmt: skip
-        results = [i["call_id"] for i in new_items if i.get("type") in (
-            "function_call_output", "custom_tool_call_output")]  # fmt: skip
         headers = self._notices(req, offered)
         generation = await self.generate(
             response_id, [prompt.token_ids], [inputs.params], "input", inputs.grammar_source,
             routing_key(tenant.namespace(req.cache_salt), req.prompt_cache_key), stream=stream)  # fmt: skip
         with self.owned(generation):
-            self.tool_calls.resumed(inputs, results)
             truncated = len(items) < len(history) + len(new_items)
             self.truncations += truncated
             self.tools_not_offered.update(offered.not_offered)

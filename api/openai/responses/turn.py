@@ -129,7 +129,7 @@ class ResponseTurn:
         if self.req.generate:
             call = next((i["call_id"] for i in output.items
                          if i.get("type") in ("function_call", "custom_tool_call")), None)  # fmt: skip
-            self.services.retention.paused(self.inputs, c.token_ids, c.finish_reason, call)
+            self.services.retention.paused(self.inputs, c.finish_reason, call)
         reasoning = count_reasoning_tokens(self.services.tokenizer, generated, output.reasoning)
         body = self.body(status, output.items, _usage(final, len(generated), reasoning), **extra)
         return body, generated

@@ -95,6 +95,6 @@ async def _respond(ws: WebSocket, serving: ResponsesServing, tenant: Tenant, con
         param = str(first["loc"][0]) if first.get("loc") else None
         raise APIError(f"{param}: {first['msg']}", 400, param) from exc
     turn, generation = await serving.start(req, tenant, connection)
-    async with aclosing(turn.events(generation)) as events:
+    async with generation, aclosing(turn.events(generation)) as events:
         async for event in events:
             await ws.send_text(json.dumps(event, ensure_ascii=False))
