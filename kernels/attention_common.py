@@ -4,12 +4,11 @@ with an online softmax, and the result of a split; with the host-side launch tha
 A kernel here is its own grid, rows and range of positions around the same steps::
 
     tok, heads, mask_r = group_rows(first, num_tokens, tile, kv_head, ...)  # decode: one token
-    q = load_rows(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh, mask_r, ...)
-    acc, m_i, l_i = attend_paged(q, ..., block_table_ptr, kv_head, start, end, ...)
-    store_output(out_ptr + ..., acc, l_i, mask_r, ...)                      # extend: the output
-    l_safe, lse = split_lse(m_i, l_i)                                       # a split's partial
-    store_output(part_out_ptr + ..., acc, l_safe, mask_r, ...)              # result (decode,
-    tl.store(part_lse_ptr + ..., lse, mask=mask_r)                          # shared prefix)
+    q = load_query(paged, tok[:, None], heads, mask_r)
+    acc, m_i, l_i = attend_paged(q, q_pos, paged, block_table_ptr, kv_head, start, end, ...)
+    store_output(out_ptr + ..., acc, l_i, mask_r, ...)           # extend: the output
+    store_split(parts, row, heads, split, acc, m_i, l_i, ...)    # decode, shared prefix: a split's
+                                                                 # partial result
 
 Triton inlines a ``@triton.jit`` function called from a kernel, so the helpers cost nothing at
 run time. They keep the order of operations the kernels were tuned with: sm_90 register
@@ -20,13 +19,18 @@ Conventions: a context is read through one row of the block table (position ``p`
 ``block_table[p // BLOCK_SIZE]``, slot ``p % BLOCK_SIZE``); scores are base 2 (``q.k * scale *
 log2(e)``, the softmax runs on ``exp2``); accumulation is float32. A split's partial result is
 ``acc / l`` and ``lse = m + log2(l)`` (base 2); an empty split stores zeros and ``lse = -inf``, so
-a merge by log-sum-exp gives it weight exactly 0. Every attention kernel's arguments start with
-those of ``PagedLaunch.args`` and its constexprs include ``PagedLaunch.constexprs``.
+a merge by log-sum-exp gives it weight exactly 0.
+
+Every attention kernel's first argument is ``paged`` (``PagedArgs``: the query, the cache and the
+constexprs of their shapes, from ``PagedLaunch.kernel_args``); a split kernel's partial results
+are ``parts`` (``SplitParts``). Triton passes a named tuple as its fields, each specialized as a
+separate argument would be, so grouping them changes nothing in the compiled kernel.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -76,28 +80,72 @@ def load_rows(row_ptrs, mask_r, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     )
 
 
+class PagedArgs(NamedTuple):
+    """What every attention kernel takes first (``PagedLaunch.kernel_args``): the query and the
+    paged K/V cache as pointers and strides, the softmax scale in base 2 (``scale * log2(e)``),
+    and the constexprs their shapes and dtype give (upper case: ``GROUP`` query heads per KV head,
+    ``BLOCK_D`` from ``head_block``, the ``tl.dot`` operands from ``dot_operands``)."""
+
+    q_ptr: torch.Tensor
+    k_cache_ptr: torch.Tensor
+    v_cache_ptr: torch.Tensor
+    sm_scale_log2: float
+    stride_qt: int
+    stride_qh: int
+    stride_cb: int
+    stride_cs: int
+    stride_ch: int
+    GROUP: tl.constexpr
+    HEAD_DIM: tl.constexpr
+    BLOCK_D: tl.constexpr
+    BLOCK_SIZE: tl.constexpr
+    DOT_DTYPE: tl.constexpr
+    PRECISION: tl.constexpr
+
+
+class SplitParts(NamedTuple):
+    """A split kernel's partial results as it writes them (``SplitParts.of``): ``out`` ``[rows,
+    heads, splits, head_dim]`` and ``lse`` ``[rows, heads, splits]``, float32, lse base 2, the
+    splits of a row and head contiguous in ``lse``."""
+
+    out_ptr: torch.Tensor
+    lse_ptr: torch.Tensor
+    stride_or: int
+    stride_oh: int
+    stride_os: int
+    stride_lr: int
+    stride_lh: int
+
+    @classmethod
+    def of(cls, out: torch.Tensor, lse: torch.Tensor) -> SplitParts:
+        return cls(out, lse, *out.stride()[:3], *lse.stride()[:2])
+
+
+@triton.jit
+def load_query(paged, tok, heads, mask_r):
+    """The query rows of tokens ``tok`` (a scalar, or ``[rows, 1]``), heads ``heads`` (``[rows]``)
+    as ``load_rows`` gives them."""
+    return load_rows(
+        paged.q_ptr + tok * paged.stride_qt + heads[:, None] * paged.stride_qh,
+        mask_r,
+        paged.HEAD_DIM,
+        paged.BLOCK_D,
+    )
+
+
 @triton.jit
 def attend_paged(
     q,
     q_pos,
-    k_cache_ptr,
-    v_cache_ptr,
+    paged,
     block_table_ptr,
     kv_head,
     start,
     end,
-    sm_scale_log2,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr,
     CAUSAL: tl.constexpr,
 ):
-    """Online softmax of ``q`` (``[ROWS, BLOCK_D]``, from ``load_rows``; cast to ``DOT_DTYPE``)
+    """Online softmax of ``q`` (``[ROWS, BLOCK_D]``, from ``load_query``; cast to ``DOT_DTYPE``)
     over positions ``start .. end - 1`` of the context behind ``block_table_ptr`` (its row of
     the block table), one KV head, in tiles of ``BLOCK_N`` tokens; with ``CAUSAL`` row ``r`` sees
     positions ``<= q_pos[r]`` only (``q_pos`` is not read otherwise). Returns the float32
@@ -106,10 +154,12 @@ def attend_paged(
     tile may span several cache blocks and one block several tiles."""
     ROWS: tl.constexpr = q.shape[0]
     BLOCK_D: tl.constexpr = q.shape[1]
+    DOT_DTYPE: tl.constexpr = paged.DOT_DTYPE
+    BLOCK_SIZE: tl.constexpr = paged.BLOCK_SIZE
     q = q.to(DOT_DTYPE)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    mask_d = offs_d < HEAD_DIM
+    mask_d = offs_d < paged.HEAD_DIM
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
@@ -118,12 +168,16 @@ def attend_paged(
         mask_n = pos < end
         block = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=mask_n, other=0)
         slot_off = (
-            block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+            block.to(tl.int64) * paged.stride_cb
+            + (pos % BLOCK_SIZE) * paged.stride_cs
+            + kv_head * paged.stride_ch
         )
         kv_offs = slot_off[:, None] + offs_d[None, :]
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2  # [ROWS, BLOCK_N]
+        k = tl.load(paged.k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        s = (
+            tl.dot(q, tl.trans(k), input_precision=paged.PRECISION) * paged.sm_scale_log2
+        )  # [ROWS, BLOCK_N]
         if CAUSAL:
             s = tl.where(mask_n[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         else:
@@ -132,8 +186,8 @@ def attend_paged(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
+        v = tl.load(paged.v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=paged.PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -141,8 +195,7 @@ def attend_paged(
 @triton.jit
 def split_lse(m_i, l_i):
     """``l`` made safe to divide by (1 for a row that saw nothing) and the base-2 lse ``m +
-    log2(l)`` (``-inf`` for such a row) of ``attend_paged``'s running max and sum. Call it
-    before computing the addresses of the split's stores (see the module docstring)."""
+    log2(l)`` (``-inf`` for such a row) of ``attend_paged``'s running max and sum."""
     nonempty = l_i > 0.0
     l_safe = tl.where(nonempty, l_i, 1.0)
     return l_safe, tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf"))
@@ -159,6 +212,33 @@ def store_output(row_ptrs, acc, l_i, mask_r, HEAD_DIM: tl.constexpr):
         ptrs,
         (acc / l_i[:, None]).to(ptrs.dtype.element_ty),
         mask=mask_r[:, None] & (offs_d < HEAD_DIM)[None, :],
+    )
+
+
+@triton.jit
+def store_split(parts, row, heads, split, acc, m_i, l_i, mask_r, HEAD_DIM: tl.constexpr):
+    """Store split ``split``'s partial result (``acc / l`` and its lse, from ``attend_paged``) in
+    ``parts`` at row ``row`` of heads ``heads``: ``row`` is a scalar (one row for every tile row,
+    decode) or ``[rows]`` (one each, addressed in int64). The addresses are computed after
+    ``split_lse`` (see the module docstring)."""
+    l_safe, lse = split_lse(m_i, l_i)
+    if len(row.shape) == 0:
+        out_row = row
+    else:
+        row = row.to(tl.int64)
+        out_row = row[:, None]
+    store_output(
+        parts.out_ptr
+        + out_row * parts.stride_or
+        + heads[:, None] * parts.stride_oh
+        + split * parts.stride_os,
+        acc,
+        l_safe,
+        mask_r,
+        HEAD_DIM,
+    )
+    tl.store(
+        parts.lse_ptr + row * parts.stride_lr + heads * parts.stride_lh + split, lse, mask=mask_r
     )
 
 
@@ -184,7 +264,8 @@ class PagedLaunch:
     """One attention launch over the paged cache: ``query`` ``[tokens, num_heads, head_dim]`` and
     ``k_cache``/``v_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]`` (last dims
     contiguous, V laid out as K), and the softmax ``scale``. What every attention kernel takes
-    from them: its first arguments (``args``) and some of its constexprs (``constexprs``)."""
+    from them: its first argument (``kernel_args``) and the buffers of its splits' partial results
+    (``empty_partials``)."""
 
     query: torch.Tensor
     k_cache: torch.Tensor
@@ -200,31 +281,28 @@ class PagedLaunch:
         """Query heads per KV head (GQA)."""
         return self.query.shape[1] // self.num_kv_heads
 
-    def args(self) -> tuple:
-        """``q_ptr, k_cache_ptr, v_cache_ptr, sm_scale_log2, stride_qt, stride_qh, stride_cb,
-        stride_cs, stride_ch`` (``sm_scale_log2 = scale * log2(e)``: base-2 scores)."""
-        return (
+    def kernel_args(self) -> PagedArgs:
+        """The kernels' ``paged`` argument; its constexprs are wrapped as ``tl.constexpr`` (what
+        makes Triton compile them in)."""
+        head_dim = self.query.shape[2]
+        dot_dtype, precision = dot_operands(self.k_cache.dtype, self.query.device)
+        constexprs = (
+            self.group,
+            head_dim,
+            head_block(head_dim),
+            self.k_cache.shape[1],
+            dot_dtype,
+            precision,
+        )
+        return PagedArgs(
             self.query,
             self.k_cache,
             self.v_cache,
             self.scale * LOG2E,
             *self.query.stride()[:2],
             *self.k_cache.stride()[:3],
+            *map(tl.constexpr, constexprs),
         )
-
-    def constexprs(self) -> dict[str, object]:
-        """``GROUP``, ``HEAD_DIM``, ``BLOCK_D`` (``head_block``), ``BLOCK_SIZE`` and the
-        ``tl.dot`` operands ``DOT_DTYPE``, ``PRECISION`` (``dot_operands``)."""
-        head_dim = self.query.shape[2]
-        dot_dtype, precision = dot_operands(self.k_cache.dtype, self.query.device)
-        return {
-            "GROUP": self.group,
-            "HEAD_DIM": head_dim,
-            "BLOCK_D": head_block(head_dim),
-            "BLOCK_SIZE": self.k_cache.shape[1],
-            "DOT_DTYPE": dot_dtype,
-            "PRECISION": precision,
-        }
 
     def empty_partials(self, num_rows: int, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Buffers for the splits' partial results: output ``[num_rows, num_heads, num_splits,

@@ -46,13 +46,13 @@ import triton.language as tl
 
 from prefixserve.kernels.attention_common import (
     PagedLaunch,
+    SplitParts,
     attend_paged,
     group_rows,
     head_block,
-    load_rows,
-    split_lse,
+    load_query,
     split_range,
-    store_output,
+    store_split,
 )
 from prefixserve.kernels.decode_attention import decode_splits, default_num_splits, merge_splits
 from prefixserve.kernels.merge_attn_states import Parts, merge_parts
@@ -152,34 +152,14 @@ class CascadeGroups:
 
 @triton.jit
 def _shared_prefix_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    sm_scale_log2,
-    stride_qt,
-    stride_qh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
+    paged,
     token_idx_ptr,
     token_start_ptr,
     block_tables_ptr,
     shared_lens_ptr,
-    part_out_ptr,
-    part_lse_ptr,
     num_splits,
     stride_bt,
-    stride_pr,
-    stride_ph,
-    stride_ps,
-    stride_lr,
-    stride_lh,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    parts,
     BLOCK_G: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -196,44 +176,16 @@ def _shared_prefix_kernel(
     start, end = split_range(0, shared_len, split, num_splits, BLOCK_N)
 
     # Rows of token_idx; padded rows hold q = 0: finite scores, masked at the store.
-    row, heads, mask_r = group_rows(row_start, num_rows, tile, kv_head, GROUP, BLOCK_G, BLOCK_M)
+    row, heads, mask_r = group_rows(
+        row_start, num_rows, tile, kv_head, paged.GROUP, BLOCK_G, BLOCK_M
+    )
     tok = tl.load(token_idx_ptr + row, mask=mask_r, other=0)
-    q = load_rows(
-        q_ptr + tok[:, None].to(tl.int64) * stride_qt + heads[:, None] * stride_qh,
-        mask_r,
-        HEAD_DIM,
-        BLOCK_D,
-    )
+    q = load_query(paged, tok[:, None].to(tl.int64), heads, mask_r)
+    block_table_ptr = block_tables_ptr + grp * stride_bt
     acc, m_i, l_i = attend_paged(
-        q,
-        None,
-        k_cache_ptr,
-        v_cache_ptr,
-        block_tables_ptr + grp * stride_bt,
-        kv_head,
-        start,
-        end,
-        sm_scale_log2,
-        stride_cb,
-        stride_cs,
-        stride_ch,
-        HEAD_DIM,
-        BLOCK_SIZE,
-        BLOCK_N,
-        DOT_DTYPE,
-        PRECISION,
-        CAUSAL=False,
+        q, None, paged, block_table_ptr, kv_head, start, end, BLOCK_N, CAUSAL=False
     )
-    l_safe, lse = split_lse(m_i, l_i)
-    row64 = row.to(tl.int64)
-    store_output(
-        part_out_ptr + row64[:, None] * stride_pr + heads[:, None] * stride_ph + split * stride_ps,
-        acc,
-        l_safe,
-        mask_r,
-        HEAD_DIM,
-    )
-    tl.store(part_lse_ptr + row64 * stride_lr + heads * stride_lh + split, lse, mask=mask_r)
+    store_split(parts, row, heads, split, acc, m_i, l_i, mask_r, paged.HEAD_DIM)
 
 
 def _shared_parts(
@@ -270,18 +222,14 @@ def _shared_parts(
     parts = Parts(*launch.empty_partials(groups.num_rows, num_splits), groups.token_rows)
     grid = (num_tiles, groups.num_groups, launch.num_kv_heads * num_splits)
     _shared_prefix_kernel[grid](
-        *launch.args(),
+        launch.kernel_args(),
         groups.token_idx,
         groups.token_start,
         groups.shared_block_tables,
         groups.shared_lens,
-        parts.out,
-        parts.lse,
         num_splits,
         groups.shared_block_tables.stride(0),
-        *parts.out.stride()[:3],
-        *parts.lse.stride()[:2],
-        **launch.constexprs(),
+        SplitParts.of(parts.out, parts.lse),
         BLOCK_G=block_g,
         BLOCK_M=block_m,
         BLOCK_N=block_n or default_block_n,

@@ -31,11 +31,11 @@ import triton.language as tl
 
 from prefixserve.kernels.attention_common import (
     PagedLaunch,
+    SplitParts,
     attend_paged,
-    load_rows,
-    split_lse,
+    load_query,
     split_range,
-    store_output,
+    store_split,
 )
 from prefixserve.kernels.merge_attn_states import Parts, merge_parts
 
@@ -46,33 +46,13 @@ _TARGET_PROGRAMS = 1024
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    sm_scale_log2,
-    stride_qt,
-    stride_qh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
+    paged,
     block_tables_ptr,
     seq_lens_ptr,
     context_starts_ptr,
-    part_out_ptr,
-    part_lse_ptr,
     num_splits,
     stride_bt,
-    stride_pt,
-    stride_ph,
-    stride_ps,
-    stride_lt,
-    stride_lh,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    parts,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_STARTS: tl.constexpr,
@@ -87,38 +67,14 @@ def _decode_split_kernel(
     start, end = split_range(ctx_start, seq_len, split, num_splits, BLOCK_N)
 
     offs_h = tl.arange(0, BLOCK_H)
-    heads = kv_head * GROUP + offs_h
-    mask_h = offs_h < GROUP
-    q = load_rows(q_ptr + seq * stride_qt + heads[:, None] * stride_qh, mask_h, HEAD_DIM, BLOCK_D)
+    heads = kv_head * paged.GROUP + offs_h
+    mask_h = offs_h < paged.GROUP
+    q = load_query(paged, seq, heads, mask_h)
+    block_table_ptr = block_tables_ptr + seq * stride_bt
     acc, m_i, l_i = attend_paged(
-        q,
-        None,
-        k_cache_ptr,
-        v_cache_ptr,
-        block_tables_ptr + seq * stride_bt,
-        kv_head,
-        start,
-        end,
-        sm_scale_log2,
-        stride_cb,
-        stride_cs,
-        stride_ch,
-        HEAD_DIM,
-        BLOCK_SIZE,
-        BLOCK_N,
-        DOT_DTYPE,
-        PRECISION,
-        CAUSAL=False,
+        q, None, paged, block_table_ptr, kv_head, start, end, BLOCK_N, CAUSAL=False
     )
-    l_safe, lse = split_lse(m_i, l_i)
-    store_output(
-        part_out_ptr + seq * stride_pt + heads[:, None] * stride_ph + split * stride_ps,
-        acc,
-        l_safe,
-        mask_h,
-        HEAD_DIM,
-    )
-    tl.store(part_lse_ptr + seq * stride_lt + heads * stride_lh + split, lse, mask=mask_h)
+    store_split(parts, seq, heads, split, acc, m_i, l_i, mask_h, paged.HEAD_DIM)
 
 
 def default_num_splits(
@@ -207,17 +163,13 @@ def decode_splits(
         num_warps = 4
     part_out, part_lse = launch.empty_partials(num_seqs, num_splits)
     _decode_split_kernel[(num_seqs, launch.num_kv_heads, num_splits)](
-        *launch.args(),
+        launch.kernel_args(),
         block_tables,
         seq_lens,
         seq_lens if context_starts is None else context_starts,
-        part_out,
-        part_lse,
         num_splits,
         block_tables.stride(0),
-        *part_out.stride()[:3],
-        *part_lse.stride()[:2],
-        **launch.constexprs(),
+        SplitParts.of(part_out, part_lse),
         BLOCK_H=max(16, triton.next_power_of_2(launch.group)),
         BLOCK_N=block_n,
         HAS_STARTS=context_starts is not None,

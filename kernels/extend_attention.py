@@ -26,22 +26,14 @@ from prefixserve.kernels.attention_common import (
     PagedLaunch,
     attend_paged,
     group_rows,
-    load_rows,
+    load_query,
     store_output,
 )
 
 
 @triton.jit
 def _extend_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    sm_scale_log2,
-    stride_qt,
-    stride_qh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
+    paged,
     out_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
@@ -49,12 +41,6 @@ def _extend_kernel(
     stride_ot,
     stride_oh,
     stride_bt,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -69,40 +55,19 @@ def _extend_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - query_len
 
-    tok, heads, mask_r = group_rows(0, query_len, tile, kv_head, GROUP, BLOCK_G, BLOCK_M)
-    q = load_rows(
-        q_ptr + (q_start + tok)[:, None].to(tl.int64) * stride_qt + heads[:, None] * stride_qh,
-        mask_r,
-        HEAD_DIM,
-        BLOCK_D,
-    )
+    tok, heads, mask_r = group_rows(0, query_len, tile, kv_head, paged.GROUP, BLOCK_G, BLOCK_M)
+    q = load_query(paged, (q_start + tok)[:, None].to(tl.int64), heads, mask_r)
     end = tl.minimum(seq_len, ctx_len + (tile + 1) * BLOCK_M)  # past the tile's last query
+    block_table_ptr = block_tables_ptr + seq * stride_bt
     acc, _, l_i = attend_paged(
-        q,
-        ctx_len + tok,
-        k_cache_ptr,
-        v_cache_ptr,
-        block_tables_ptr + seq * stride_bt,
-        kv_head,
-        0,
-        end,
-        sm_scale_log2,
-        stride_cb,
-        stride_cs,
-        stride_ch,
-        HEAD_DIM,
-        BLOCK_SIZE,
-        BLOCK_N,
-        DOT_DTYPE,
-        PRECISION,
-        CAUSAL=True,
+        q, ctx_len + tok, paged, block_table_ptr, kv_head, 0, end, BLOCK_N, CAUSAL=True
     )
     store_output(
         out_ptr + (q_start + tok)[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh,
         acc,
         l_i,
         mask_r,
-        HEAD_DIM,
+        paged.HEAD_DIM,
     )
 
 
@@ -131,14 +96,13 @@ def extend_attention(
     block_m = max(1, (32 if on_cpu else 64) // block_g)
     grid = (triton.cdiv(max_query_len, block_m), seq_lens.shape[0], launch.num_kv_heads)
     _extend_kernel[grid](
-        *launch.args(),
+        launch.kernel_args(),
         out,
         query_start_loc,
         seq_lens,
         block_tables,
         *out.stride()[:2],
         block_tables.stride(0),
-        **launch.constexprs(),
         BLOCK_G=block_g,
         BLOCK_M=block_m,
         BLOCK_N=32 if on_cpu else 64,

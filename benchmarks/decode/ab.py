@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from decode.common import write
+from decode.common import set_threads, start_streams, write
 
 HERE = Path(__file__).resolve()
 THIS_CHECKOUT = HERE.parents[2]
@@ -33,22 +33,13 @@ THIS_CHECKOUT = HERE.parents[2]
 
 def measure(model: str, streams: list[int], steps: int, threads: int) -> dict:
     """In a worker: {streams: {"wall": [s per step], "cpu": [...]}} for this process's engine."""
-    import torch
+    from prefixserve import LLM
 
-    from prefixserve import LLM, SamplingParams
-
-    torch.set_num_threads(threads)
+    set_threads(threads)
     engine = LLM(model, gguf_dequantize=True, num_kv_blocks=512).llm_engine
-    vocab = engine.runner.model_config.vocab_size
     result = {}
     for n in [1, *streams]:  # the first pass warms up
-        params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
-        for i in range(n):
-            prompt = [(300 + 40 * i + j) % vocab for j in range(32)]
-            engine.add_request(f"ab-{time.monotonic_ns()}-{i}", prompt, params)
-        first = engine.stats().generation_tokens
-        while engine.stats().num_waiting or engine.stats().generation_tokens - first < n:
-            engine.step()  # until every stream is decoding
+        start_streams(engine, n, steps + 1)
         wall, cpu = [], []
         while engine.has_unfinished_requests():
             w, c = time.perf_counter(), time.thread_time()

@@ -12,10 +12,14 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from prefixserve import LLM, SamplingParams
+
+if TYPE_CHECKING:  # not imported: a baseline checkout (ab.py) may lay the engine out otherwise
+    from prefixserve.engine.llm_engine import LLMEngine
 
 # scheme -> LLM options on SmolLM2's shipped Q4_1 file
 SCHEMES = {
@@ -34,9 +38,9 @@ VARIANTS = {
 PHASES = ("schedule", "prepare", "forward", "sample", "output")
 
 
-def decode_rate(llm: LLM, streams: int, max_tokens: int) -> tuple[float, float, dict]:
-    """(tokens/s over the decode steps, tokens/s of the fastest step, ms per step by phase)."""
-    engine = llm.llm_engine
+def start_streams(engine: LLMEngine, streams: int, max_tokens: int) -> None:
+    """Admit ``streams`` requests at once (distinct 32-token prompts, greedy, EOS ignored, up to
+    ``max_tokens`` tokens each) and step until every one of them decodes."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     vocab = engine.runner.model_config.vocab_size
     for i in range(streams):
@@ -44,7 +48,13 @@ def decode_rate(llm: LLM, streams: int, max_tokens: int) -> tuple[float, float, 
         engine.add_request(f"decode-{time.monotonic_ns()}-{i}", prompt, params)
     first = engine.stats().generation_tokens
     while engine.stats().num_waiting or engine.stats().generation_tokens - first < streams:
-        engine.step()  # until every stream is decoding
+        engine.step()
+
+
+def decode_rate(llm: LLM, streams: int, max_tokens: int) -> tuple[float, float, dict]:
+    """(tokens/s over the decode steps, tokens/s of the fastest step, ms per step by phase)."""
+    engine = llm.llm_engine
+    start_streams(engine, streams, max_tokens)
     before = engine.stats()
     start_tokens, start = before.generation_tokens, time.perf_counter()
     best = float("inf")

@@ -7,11 +7,17 @@ replica's engine from the same arguments; it imports neither, so neither imports
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+from dataclasses import fields
 from pathlib import Path
 
-from prefixserve.core.config import DEFAULT_KV_CACHE_DIR_GB, DEFAULT_SEGMENT_RECOMPUTE_RATIO
+from prefixserve.core.config import (
+    DEFAULT_KV_CACHE_DIR_GB,
+    DEFAULT_SEGMENT_RECOMPUTE_RATIO,
+    EngineConfig,
+)
 
 SECRET_ENV = "PREFIXSERVE_KV_TIER_SECRET"
 
@@ -210,48 +216,27 @@ def _add_kv_tier_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    """``EngineConfig(**engine_kwargs(args))`` for arguments parsed with ``add_engine_args``."""
-    optional = {"enforce_eager": args.enforce_eager}
+    """``EngineConfig(**engine_kwargs(args))`` for arguments parsed with ``add_engine_args``: every
+    option whose name (``dest``) is a field's gives it its value, but for ``model`` (``_model``),
+    ``activation_quantization`` (``none``: None), ``kv_tier_secret`` (``_tier_secret``) and an
+    unset ``enforce_eager`` (left to ``EngineConfig``)."""
+    kwargs = {name: getattr(args, name) for name in _config_options()}
+    if kwargs["enforce_eager"] is None:
+        del kwargs["enforce_eager"]
     return dict(
-        {k: v for k, v in optional.items() if v is not None},
+        kwargs,
         model=_model(args),
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_stop_strings=args.max_stop_strings,
-        max_stop_string_chars=args.max_stop_string_chars,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_jump_forward=args.enable_jump_forward,
-        scheduling_policy=args.scheduling_policy,
-        device=args.device,
-        dtype=args.dtype,
-        attention_backend=args.attention_backend,
-        compile_cache_dir=args.compile_cache_dir,
-        batch_invariant=args.batch_invariant,
-        quantization=args.quantization,
         activation_quantization=None if args.activation_quantization == "none" else "int8",
-        gguf_dequantize=args.gguf_dequantize,
-        seed=args.seed,
-        kv_events_endpoint=args.kv_events_endpoint,
-        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
-        speculative_config=args.speculative_config,
-        kv_offloading_size=args.kv_offloading_size,
-        kv_offloading_dtype=args.kv_offloading_dtype,
-        kv_cache_dir=args.kv_cache_dir,
-        kv_cache_dir_size=args.kv_cache_dir_size,
-        kv_shared_url=args.kv_shared_url,
         kv_tier_secret=_tier_secret(args),
-        kv_tier_tenant_share=args.kv_tier_tenant_share,
-        kv_retention_budget=args.kv_retention_budget,
-        kv_retention_max_ttl_s=args.kv_retention_max_ttl_s,
-        kv_retention_learn_ttl=args.kv_retention_learn_ttl,
-        kv_retention_max_sessions=args.kv_retention_max_sessions,
-        segment_reuse=args.segment_reuse,
-        segment_recompute_ratio=args.segment_recompute_ratio,
     )
+
+
+@functools.cache
+def _config_options() -> frozenset[str]:
+    """The ``dest`` of every ``add_engine_args`` option that names an ``EngineConfig`` field."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    return frozenset(vars(parser.parse_args([]))) & {f.name for f in fields(EngineConfig)}
 
 
 def _tier_secret(args: argparse.Namespace) -> str | None:
