@@ -89,3 +89,13 @@ def test_the_shared_api_halves_import_no_protocol(shared):
            for path in sorted((ROOT / "api" / shared).rglob("*.py"))
            for module in imports_of(path) if module.startswith(protocols)]  # fmt: skip
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize(("protocol", "other"), [("anthropic", "openai"), ("openai", "anthropic")])
+def test_no_protocol_imports_another(protocol, other):
+    """Each protocol builds the shared ``GenerationRequest`` from its own schema, never another
+    protocol's request object (Messages once went through a chat-completions request)."""
+    bad = [f"{path.relative_to(ROOT)} imports {module}"
+           for path in sorted((ROOT / "api" / protocol).rglob("*.py"))
+           for module in imports_of(path) if module.startswith(f"prefixserve.api.{other}")]  # fmt: skip
+    assert not bad, "\n".join(bad)

@@ -1,13 +1,14 @@
-"""Anthropic Messages requests -> chat requests (``api/messages_prompt.py``): each block and field
-maps as documented, refused ones are 400s, and the attribution rule drops only its exact shape."""
+"""Anthropic Messages requests -> the chat prompt the template renders (``api/anthropic/prompt.py``):
+each block and field maps as documented, refused ones are 400s, and the attribution rule drops
+only its exact shape."""
 
 from __future__ import annotations
 
 import pytest
 
-from prefixserve.api.anthropic.prompt import is_attribution_block, to_chat_request
+from prefixserve.api.anthropic.prompt import is_attribution_block, to_chat_prompt
 from prefixserve.api.anthropic.protocol import CountTokensRequest, MessagesRequest
-from prefixserve.api.frontend.protocol import APIError
+from prefixserve.api.frontend.protocol import APIError, ToolRequest
 
 ATTRIBUTION = "x-anthropic-billing-header: cc_version=2.1.332.0b8; cc_entrypoint=sdk-cli;"
 TOOL = {"name": "Bash", "description": "run", "input_schema": {"type": "object"}}
@@ -15,7 +16,7 @@ TOOL = {"name": "Bash", "description": "run", "input_schema": {"type": "object"}
 
 def chat(drop: bool = True, parser: bool = True, **fields):
     body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
-    return to_chat_request(MessagesRequest(**{**body, **fields}), drop, parser)
+    return to_chat_prompt(MessagesRequest(**{**body, **fields}), drop, parser)
 
 
 @pytest.mark.parametrize(
@@ -85,40 +86,44 @@ def test_a_final_assistant_message_is_a_prefill():
 
 def test_tools_and_tool_choice():
     tool = {**TOOL, "cache_control": {"type": "ephemeral"}, "defer_loading": True}
-    req = chat(tools=[tool])
-    assert [t.model_dump(exclude_none=True) for t in req.tools] == [{"type": "function",
-        "function": {"name": "Bash", "description": "run", "parameters": {"type": "object"}}}]  # fmt: skip
-    assert req.tool_choice == "auto"
-    assert chat(tools=[tool], parser=False).tool_choice == "none"  # shown, calls not parsed
+    functions = [{"type": "function", "function": {"name": "Bash", "description": "run",
+                                                   "parameters": {"type": "object"}}}]  # fmt: skip
+    assert chat(tools=[tool]).tools == ToolRequest(functions, "auto")
+    assert chat(tools=[tool], parser=False).tools.choice == "none"  # shown, calls not parsed
     forced = chat(tools=[tool], tool_choice={"type": "any", "disable_parallel_tool_use": True})
-    assert (forced.tool_choice, forced.parallel_tool_calls) == ("required", False)
+    assert (forced.tools.choice, forced.tools.parallel) == ("required", False)
     named = chat(tools=[tool], tool_choice={"type": "tool", "name": "Bash"})
-    assert named.tool_choice == {"type": "function", "function": {"name": "Bash"}}
-    assert chat(tools=[tool], tool_choice={"type": "none"}).tool_choice == "none"
-    assert chat().tool_choice is None
+    assert (named.tools.choice, named.tools.name) == ("named", "Bash")
+    one = chat(tools=[tool], tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    assert (one.tools.choice, one.tools.parallel) == ("auto", False)
+    assert chat(tools=[tool], tool_choice={"type": "none"}).tools.choice == "none"
+    assert chat().tools == ToolRequest()
 
 
 def test_sampling_and_config_fields():
-    req = chat(stop_sequences=["END"], temperature=0.2, top_p=0.9, top_k=5, stream=True,
-               metadata={"user_id": "u"}, output_config={"effort": "high"},
-               context_management={"edits": [{"type": "clear_thinking_20251015"}]})  # fmt: skip
-    assert (req.stop, req.temperature, req.top_p, req.top_k, req.stream, req.max_tokens) == (
-        ["END"], 0.2, 0.9, 5, True, 8)  # fmt: skip
-    assert req.response_format is None and req.chat_template_kwargs is None
+    fields = dict(stop_sequences=["END"], temperature=0.2, top_p=0.9, top_k=5, stream=True,
+                  metadata={"user_id": "u"}, output_config={"effort": "high"},
+                  context_management={"edits": [{"type": "clear_thinking_20251015"}]})  # fmt: skip
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    options = MessagesRequest(**body, **fields).sampling_options()
+    assert (options.stop, options.temperature, options.top_p, options.top_k) == (
+        ["END"], 0.2, 0.9, 5)  # fmt: skip
+    req = chat(**fields)
+    assert req.structured is None and req.chat_template_kwargs is None
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     structured = chat(output_config={"format": {"type": "json_schema", "schema": schema}})
-    assert structured.response_format["json_schema"]["schema"] == schema
+    assert structured.structured.json == schema
     assert chat(thinking={"type": "adaptive"}).chat_template_kwargs == {"enable_thinking": True}
     assert chat(thinking={"type": "disabled"}).chat_template_kwargs == {"enable_thinking": False}
     enabled = chat(max_tokens=4096, thinking={"type": "enabled", "budget_tokens": 1024})
     assert enabled.chat_template_kwargs == {"enable_thinking": True}
 
 
-def test_count_tokens_request_has_no_sampling():
-    req = to_chat_request(
+def test_count_tokens_request_renders_the_same_prompt():
+    req = to_chat_prompt(
         CountTokensRequest(model="m", messages=[{"role": "user", "content": "hi"}]), True, True
     )
-    assert req.max_tokens is None and req.messages == [{"role": "user", "content": "hi"}]
+    assert req.messages == [{"role": "user", "content": "hi"}] and req.add_generation_prompt
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from scripted_engine import ScriptedEngine
 
 import prefixserve.api.anthropic.messages as serving_messages
 from prefixserve.api.anthropic.messages import MessagesServing
-from prefixserve.api.anthropic.prompt import to_chat_request
+from prefixserve.api.anthropic.prompt import to_chat_prompt
 from prefixserve.api.anthropic.protocol import MessagesRequest
 from prefixserve.api.engine_client import Generation
 from prefixserve.api.frontend.inputs import EngineInputs
@@ -123,23 +123,22 @@ TOOLS = [{"name": "Bash", "input_schema": {"type": "object"}},
 )  # fmt: skip
 def test_force_tool_call_applies_to_the_users_own_turn(messages, tools, forced):
     req = MessagesRequest(model="m", max_tokens=8, messages=messages, tools=tools)
-    chat_req = to_chat_request(req, True, True)
-    got = serving(force_tool_call=FORCE)._force(req, chat_req, chat_req.tool_request())
+    tools = to_chat_prompt(req, True, True).tools
+    got = serving(force_tool_call=FORCE)._force(req, tools)
     if forced:
         assert (got.choice, got.name) == ("named", "Bash")
         assert got.grammar_tools == [{"type": "function", "function": {
             "name": "Bash", "parameters": FORCE["input_schema"]}}]  # fmt: skip
         assert got.tools[0]["function"]["parameters"] == {"type": "object"}  # the prompt's own
     else:
-        assert got == chat_req.tool_request() and got.grammar_tools is None
+        assert got == tools and got.grammar_tools is None
 
 
 def test_no_forcing_without_the_option():
     req = MessagesRequest(model="m", max_tokens=8, messages=[{"role": "user", "content": "x"}],
                           tools=TOOLS)  # fmt: skip
-    chat_req = to_chat_request(req, True, True)
-    tools = chat_req.tool_request()
-    assert serving()._force(req, chat_req, tools) is tools and tools.choice == "auto"
+    tools = to_chat_prompt(req, True, True).tools
+    assert serving()._force(req, tools) is tools and tools.choice == "auto"
 
 
 def test_cli_options():

@@ -1,6 +1,6 @@
 """POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API.
 
-A request maps onto the chat-completions request with the same prompt (``prompt``); the shared
+A request maps onto the chat prompt the template renders (``prompt.ChatPrompt``); the shared
 front half (``frontend.inputs``) turns it into the engine's inputs (tool mode, forced-call
 grammars, reasoning, parameters) as for every protocol. What is Anthropic's here: the reply's
 content blocks (``blocks``), ``stop_reason``, usage in cache terms, and the event stream::
@@ -34,7 +34,7 @@ from prefixserve.api.anthropic.cache_control import (
     retentions,
     split_usage,
 )
-from prefixserve.api.anthropic.prompt import to_chat_request
+from prefixserve.api.anthropic.prompt import ChatPrompt, to_chat_prompt
 from prefixserve.api.anthropic.protocol import (
     CountTokensRequest,
     MessagesRequest,
@@ -47,10 +47,8 @@ from prefixserve.api.frontend.inputs import EngineInputs, TemplateServing
 from prefixserve.api.frontend.protocol import APIError, ToolRequest, random_id
 from prefixserve.api.frontend.request import GenerationRequest
 from prefixserve.api.frontend.stream import ChoiceTotals, as_api_error, event_stream
-from prefixserve.api.frontend.structured_outputs import structured_outputs_of
 from prefixserve.api.frontend.tenancy import tenant_of
 from prefixserve.api.frontend.thinking_budget import BudgetedStream
-from prefixserve.api.openai.protocol import ChatCompletionRequest
 from prefixserve.api.parsing.reply import Finish
 from prefixserve.core.outputs import CompletionOutput, RequestOutput
 
@@ -108,48 +106,48 @@ class MessagesServing(TemplateServing):
         self.force_tool_call = force_tool_call
         self.block_size = engine.prefix_cache_block_size
 
-    def _chat_request(self, req: CountTokensRequest) -> ChatCompletionRequest:
+    def _chat_prompt(self, req: CountTokensRequest) -> ChatPrompt:
         self.check_model(req.model)
-        return to_chat_request(req, self.drop_attribution, self.tool_parser is not None)
+        return to_chat_prompt(req, self.drop_attribution, self.tool_parser is not None)
 
-    def _render(self, chat_req: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
-        return self.render(chat_req.messages, tools,
-                           add_generation_prompt=chat_req.add_generation_prompt,
-                           continue_final_message=chat_req.continue_final_message,
-                           chat_template_kwargs=chat_req.chat_template_kwargs)  # fmt: skip
+    def _render(self, chat: ChatPrompt, tools: list[dict] | None) -> list[int]:
+        return self.render(chat.messages, tools,
+                           add_generation_prompt=chat.add_generation_prompt,
+                           continue_final_message=chat.continue_final_message,
+                           chat_template_kwargs=chat.chat_template_kwargs)  # fmt: skip
 
     def _render_marked(
-        self, req: MessagesRequest, chat_req: ChatCompletionRequest, tools: list[dict] | None
+        self, req: MessagesRequest, chat: ChatPrompt, tools: list[dict] | None
     ) -> tuple[list[int], tuple[tuple[int, float], ...]]:
         """The prompt, and (position, TTL) of each ``cache_control`` breakpoint in it (a cut the
         template refuses to render marks nothing)."""
         found = breakpoints(req, self.drop_attribution)  # a malformed mark: a 400 first
-        prompt = self._render(chat_req, tools)
+        prompt = self._render(chat, tools)
         marks = []
         for mark in found:
             try:
                 cut = self.render(mark.messages, mark.tools, add_generation_prompt=False,
-                                  chat_template_kwargs=chat_req.chat_template_kwargs)  # fmt: skip
+                                  chat_template_kwargs=chat.chat_template_kwargs)  # fmt: skip
             except APIError:
                 cut = []
             marks.append((common_prefix(cut, prompt), mark.ttl_s))
         return prompt, tuple(marks)
 
     async def count_tokens(self, req: CountTokensRequest) -> dict:
-        chat_req = self._chat_request(req)
-        prompt = await asyncio.to_thread(self._render, chat_req, chat_req.tool_request().tools)
+        chat = self._chat_prompt(req)
+        prompt = await asyncio.to_thread(self._render, chat, chat.tools.tools)
         return {"input_tokens": len(prompt)}
 
     async def create(self, req: MessagesRequest, raw_request: Request):
-        chat_req = self._chat_request(req)
+        chat = self._chat_prompt(req)
         model = self.check_model(req.model)
-        tools = self._force(req, chat_req, chat_req.tool_request())
-        prompt, marks = await asyncio.to_thread(self._render_marked, req, chat_req, tools.tools)
-        structured = structured_outputs_of(chat_req)
+        tools = self._force(req, chat.tools)
+        prompt, marks = await asyncio.to_thread(self._render_marked, req, chat, tools.tools)
         tenant = tenant_of(raw_request)
         retention = retentions(marks, tenant.namespace(req.cache_salt), tenant.owner)
         message_id = random_id("msg_")
-        results = [m["tool_call_id"] for m in chat_req.messages if m.get("role") == "tool"]
+        results = [m["tool_call_id"] for m in chat.messages if m.get("role") == "tool"]
+        structured = (chat.structured, "output_config")
         inputs = self.prepare(GenerationRequest(
             prompt, tools, req.sampling_options(), req.max_tokens, structured, tenant=tenant,
             retention=retention, request_id=message_id, tool_results=tuple(results),
@@ -178,21 +176,19 @@ class MessagesServing(TemplateServing):
             stop_sequence=sequence, usage=usage_of(final, self.block_size, marks),
         )  # fmt: skip
 
-    def _force(
-        self, req: MessagesRequest, chat_req: ChatCompletionRequest, tools: ToolRequest
-    ) -> ToolRequest:
+    def _force(self, req: MessagesRequest, tools: ToolRequest) -> ToolRequest:
         """With ``force_tool_call`` and a request it applies to: ``tools`` with a forced call of
         that tool, whose grammar uses ``input_schema``; else ``tools``."""
         spec = self.force_tool_call
         turns = [m for m in req.messages if m.role != "system"]
         last = turns[-1] if turns else None
-        if spec is None or last is None or last.role != "user" or not chat_req.tools:
+        if spec is None or last is None or last.role != "user" or not tools.tools:
             return tools
         if isinstance(last.content, list) and any(
             b.get("type") == "tool_result" for b in last.content
         ):
             return tools
-        if spec["name"] not in [t.function.name for t in chat_req.tools]:
+        if spec["name"] not in [t["function"]["name"] for t in tools.tools]:
             return tools
         function = {"name": spec["name"], "parameters": spec["input_schema"]}
         return dataclasses.replace(tools, choice="named", name=spec["name"],

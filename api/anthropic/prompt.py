@@ -1,4 +1,6 @@
-"""An Anthropic Messages request as the chat-completions request that the chat template renders.
+"""An Anthropic Messages request as what the chat template renders (``ChatPrompt``): chat
+messages, the tools as function definitions with how the reply may call them, the template's
+switches and the reply's format. Anthropic's own value: no other protocol's request is built.
 
 Mapping (each documented field is honoured, accepted without effect, or refused with a 400):
 
@@ -20,16 +22,16 @@ Mapping (each documented field is honoured, accepted without effect, or refused 
     content blocks)                  usage splits writes by TTL (``cache_control``)
     server tools (typed), MCP        400
     tool_choice auto/any/tool/none   "auto" / "required" / named / "none"; disable_parallel_
-                                     tool_use -> parallel_tool_calls=false; "auto" without
+                                     tool_use: one call at most; "auto" without
                                      --tool-call-parser shows the tools but parses no calls
     thinking enabled/adaptive/       chat_template_kwargs enable_thinking true/true/false
     disabled
     output_config.format json_schema the reply is constrained to the schema
     output_config.effort, metadata,  accepted without effect
     context_management
-    seed, min_p, repetition_penalty, prefixserve's extensions, as in chat completions
-    ignore_eos, min_tokens,
-    cache_salt
+    sampling (temperature, top_p,    ``MessagesRequest.sampling_options``; seed, min_p,
+    top_k, stop_sequences, ...)      repetition_penalty, ignore_eos, min_tokens and cache_salt
+                                     are prefixserve's extensions, as in chat completions
 
 The attribution rule: Claude Code's first system block is
 ``x-anthropic-billing-header: cc_version=<version>.<3 hex>; cc_entrypoint=<name>;`` (optionally
@@ -43,11 +45,12 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any
 
-from prefixserve.api.anthropic.protocol import CountTokensRequest, MessagesRequest
-from prefixserve.api.frontend.protocol import APIError
-from prefixserve.api.openai.protocol import ChatCompletionRequest
+from prefixserve.api.anthropic.protocol import CountTokensRequest
+from prefixserve.api.frontend.protocol import APIError, ToolRequest
+from prefixserve.structured_outputs.params import StructuredOutputsParams
 
 ATTRIBUTION_RE = re.compile(
     r"x-anthropic-billing-header: cc_version=[0-9A-Za-z.+-]+; cc_entrypoint=[0-9A-Za-z_.-]+;"
@@ -67,28 +70,33 @@ def is_attribution_block(block: Any) -> bool:
     )
 
 
-def to_chat_request(
-    req: CountTokensRequest, drop_attribution: bool, can_parse_calls: bool
-) -> ChatCompletionRequest:
-    """The chat request with the same prompt, sampling and tool mode; a 400 (``APIError``) on a
-    field that cannot be honoured. ``can_parse_calls``: the server has a tool-call parser."""
+@dataclass(frozen=True)
+class ChatPrompt:
+    """What the chat template renders of a Messages request, and how its reply is read:
+    ``messages`` (chat messages), ``tools`` (function definitions, tool mode, parallel calls),
+    the template's switches, and ``structured``: the reply's format (``output_config``), None
+    without one."""
+
+    messages: list[dict]
+    tools: ToolRequest
+    add_generation_prompt: bool
+    continue_final_message: bool
+    chat_template_kwargs: dict[str, Any] | None
+    structured: StructuredOutputsParams | None
+
+
+def to_chat_prompt(req: CountTokensRequest, drop_attribution: bool,
+                   can_parse_calls: bool) -> ChatPrompt:  # fmt: skip
+    """The chat prompt of ``req``; a 400 (``APIError``) on a field that cannot be honoured.
+    ``can_parse_calls``: the server has a tool-call parser."""
     _refuse_server_features(req)
     messages = chat_messages(req, drop_attribution)
     prefill = req.messages[-1].role == "assistant"
-    fields: dict[str, Any] = dict(
-        model=req.model,
-        messages=messages,
-        add_generation_prompt=not prefill,
-        continue_final_message=prefill,
-        chat_template_kwargs=_template_kwargs(req),
-        response_format=_response_format(req.output_config),
-    )
-    if req.tools:
-        fields["tools"] = convert_tools(req.tools)
-    fields.update(_tool_choice(req.tool_choice, bool(req.tools), can_parse_calls))
-    if isinstance(req, MessagesRequest):
-        fields.update(req.sampling_fields(), stop=req.stop_sequences)
-    return ChatCompletionRequest(**fields)
+    tools = convert_tools(req.tools) if req.tools else None
+    return ChatPrompt(
+        messages, _tool_request(tools, req.tool_choice, can_parse_calls), not prefill, prefill,
+        _template_kwargs(req), _output_format(req.output_config),
+    )  # fmt: skip
 
 
 def _refuse_server_features(req: CountTokensRequest) -> None:
@@ -225,25 +233,25 @@ def _tool(i: int, tool: dict) -> dict:
     return {"type": "function", "function": function}
 
 
-def _tool_choice(choice: dict | None, has_tools: bool, can_parse_calls: bool) -> dict:
-    """``tool_choice`` and ``parallel_tool_calls`` of the chat request."""
+def _tool_request(tools: list[dict] | None, choice: dict | None,
+                  can_parse_calls: bool) -> ToolRequest:  # fmt: skip
+    """The tools and how the reply may call them (``tool_choice``)."""
     kind = "auto" if choice is None else choice.get("type")
     parallel = not (choice or {}).get("disable_parallel_tool_use", False)
     if kind == "auto":
-        if not has_tools:
-            return {}
-        return {"tool_choice": "auto" if can_parse_calls else "none"}
+        mode = "auto" if tools and can_parse_calls else "none"
+        return ToolRequest(tools, mode, parallel=parallel)
     if kind == "none":
-        return {"tool_choice": "none"} if has_tools else {}
+        return ToolRequest(tools, "none", parallel=parallel)
     if kind == "any":
-        return {"tool_choice": "required", "parallel_tool_calls": parallel}
+        return ToolRequest(tools, "required", parallel=parallel)
     if kind == "tool":
         name = choice.get("name")
         if not isinstance(name, str):
             raise APIError(
                 'tool_choice: {"type": "tool"} needs a string "name"', 400, "tool_choice"
             )
-        return {"tool_choice": {"type": "function", "function": {"name": name}}}
+        return ToolRequest(tools, "named", name, parallel)
     raise APIError(
         f"tool_choice.type: {kind!r} is not supported; use 'auto', 'any', 'tool' or 'none'",
         400,
@@ -272,8 +280,9 @@ def _template_kwargs(req: CountTokensRequest) -> dict[str, Any] | None:
     return {"enable_thinking": kind != "disabled"}
 
 
-def _response_format(output_config: dict | None) -> dict | None:
-    """``output_config.format`` as OpenAI's ``response_format`` (effort has no effect)."""
+def _output_format(output_config: dict | None) -> StructuredOutputsParams | None:
+    """``output_config.format``: the JSON schema the reply is constrained to (effort has no
+    effect)."""
     fmt = (output_config or {}).get("format")
     if fmt is None:
         return None
@@ -287,4 +296,4 @@ def _response_format(output_config: dict | None) -> dict | None:
         raise APIError(
             "output_config.format.schema: must be a JSON schema object", 400, "output_config"
         )
-    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+    return StructuredOutputsParams(json=fmt["schema"])

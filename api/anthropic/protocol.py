@@ -60,17 +60,11 @@ class MessagesRequest(CountTokensRequest):
     cache_salt: str | None = None
     segment_reuse: StrictBool | None = None  # opt out of --segment-reuse (kv/segments.py)
 
-    def sampling_fields(self) -> dict[str, Any]:
-        """What the chat request takes over unchanged."""
-        return self.model_dump(include={
-            "max_tokens", "stream", "temperature", "top_p", "top_k", "seed", "min_p",
-            "repetition_penalty", "ignore_eos", "min_tokens", "cache_salt",
-            "segment_reuse"})  # fmt: skip
-
     def sampling_options(self) -> SamplingOptions:
         """This request's sampling fields, as the shared front half takes them."""
-        fields = self.sampling_fields()
-        del fields["max_tokens"], fields["stream"]
+        fields = self.model_dump(include={
+            "temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty", "ignore_eos",
+            "min_tokens", "cache_salt", "segment_reuse"})  # fmt: skip
         return SamplingOptions(**fields, stop=self.stop_sequences)
 
 
