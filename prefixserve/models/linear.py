@@ -13,6 +13,8 @@ float weight wherever the kernel keeps its own form, so memory holds each matrix
     cuda            float                   Dense           the weight (F.linear)
     cuda            int4                    TritonInt4      codes [N, K/2], scales, shifts
     elsewhere       int8 / int4             Portable        the codes, dequantized at each call
+    anywhere        a GGUF BlockWeight      Portable        the file's codes and parameters
+    anywhere        parts in several types  Stacked         one kernel per part
 
 The CPU kernels are ``prefixserve.kernels.cpu_linear`` (float activations) and ``cpu_qlinear``
 (``activations="int8"``: each activation row quantized to int8 in blocks of 32, integer dot
@@ -31,6 +33,7 @@ of the group stay in float (logged).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
@@ -43,6 +46,7 @@ from prefixserve.kernels import cpu_linear, cpu_ops, cpu_qlinear
 from prefixserve.models.quantization import (
     GROUP_SIZE,
     QUANTIZATION_METHODS,
+    BlockWeight,
     Int4Weight,
     Int8Weight,
     QuantizedWeight,
@@ -217,16 +221,16 @@ class Portable(LinearKernel):
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
         super().__init__(*weight.shape, dtype)
-        self.group_size = weight.group_size
-        self.int4 = isinstance(weight, Int4Weight)
-        self.register_buffer("codes", weight.qvalues if self.int4 else weight.qweight)
-        self.register_buffer("scales", weight.scales)
-        self.register_buffer("shifts", weight.shifts if self.int4 else None)
+        self.weight_type = type(weight)
+        self.fields = {f.name: getattr(weight, f.name) for f in dataclasses.fields(weight)}
+        for name, value in self.fields.items():
+            if isinstance(value, torch.Tensor):
+                self.register_buffer(name, value)
 
     def quantized(self) -> QuantizedWeight:
-        if self.int4:
-            return Int4Weight(self.codes, self.scales, self.shifts, self.group_size)
-        return Int8Weight(self.codes, self.scales, self.group_size)
+        held = {n: getattr(self, n) if isinstance(v, torch.Tensor) else v
+                for n, v in self.fields.items()}  # fmt: skip
+        return self.weight_type(**held)
 
     def forward(self, x, bias):
         return F.linear(x, self.quantized().dequantize().to(x.dtype), bias)
@@ -263,8 +267,34 @@ class TritonInt4(LinearKernel):
         return (w + self.shifts[index][..., None]).flatten(-2)
 
 
-# cpu_linear's and cpu_qlinear's: batch-invariant
-PACKED_KERNELS = (PackedFloat, PackedInt8, PackedInt4, PackedW8A8, PackedW4A8)
+class Stacked(LinearKernel):
+    """A fused matrix (q/k/v, gate/up) whose parts are held by kernels of their own (GGUF
+    parts in different types): each part multiplies ``x`` and the outputs are concatenated, so
+    every output is exactly its part's."""
+
+    def __init__(self, parts: list[LinearKernel]) -> None:
+        super().__init__(sum(p.out_features for p in parts), parts[0].in_features, parts[0].dtype)
+        self.parts = nn.ModuleList(parts)
+        self.bounds = [0]
+        for part in parts:
+            self.bounds.append(self.bounds[-1] + part.out_features)
+
+    def forward(self, x, bias):
+        outs = []
+        for part, lo, hi in zip(self.parts, self.bounds, self.bounds[1:]):
+            outs.append(part(x, None if bias is None else bias[lo:hi]))
+        return torch.cat(outs, dim=-1)
+
+    def rows(self, index):
+        out = torch.empty(*index.shape, self.in_features, dtype=self.dtype, device=index.device)
+        for part, lo, hi in zip(self.parts, self.bounds, self.bounds[1:]):
+            mine = (index >= lo) & (index < hi)
+            out[mine] = part.rows(index[mine] - lo)
+        return out
+
+
+# cpu_linear's and cpu_qlinear's: batch-invariant (a Stacked kernel's parts are checked apart)
+PACKED_KERNELS = (PackedFloat, PackedInt8, PackedInt4, PackedW8A8, PackedW4A8, Stacked)
 
 
 class Linear(nn.Module):
@@ -311,6 +341,8 @@ def make_kernel(
     cpu = cpu_kernels_apply(device, dtype)
     if isinstance(weight, torch.Tensor):
         return PackedFloat(weight) if cpu else Dense(weight)
+    if isinstance(weight, BlockWeight):
+        return Portable(weight, dtype)
     int8 = isinstance(weight, Int8Weight)
     if cpu and activations == "int8" and weight.group_size == cpu_qlinear.BLOCK:
         return PackedW8A8(weight) if int8 else PackedW4A8(weight)
@@ -350,7 +382,13 @@ def finalize_linears(
         if not isinstance(module, Linear) or module.kernel is not None:
             continue
         weight, scheme = module.weight, _scheme_for(name, method)
-        given = concat_rows([prequantized.get(n) for n in source_names(name)])
+        parts = [prequantized.get(n) for n in source_names(name)]
+        given = concat_rows(parts)
+        if given is None and scheme is None and None not in parts:  # parts in several types
+            kernels = [make_kernel(p.to(weight.device), weight.dtype, activations) for p in parts]
+            done[name] = "+".join(scheme_of(p) for p in parts)
+            module.set_kernel(Stacked(kernels))
+            continue
         if given is not None and scheme in (None, scheme_of(given)):
             chosen = given
         else:
