@@ -19,6 +19,7 @@ from prefixserve.models.builtin import builtin_tokenizer
 from prefixserve.models.gguf_loader import GGUFCheckpoint, gguf_tokenizer
 from prefixserve.models.linear import (
     LinearKernel,
+    PackedBlock,
     PackedInt4,
     PackedInt8,
     PackedW4A8,
@@ -70,7 +71,7 @@ def _check_greedy(llm: LLM, hf: torch.nn.Module, atol: float) -> None:
     assert greedy_logprob_error(llm, hf, PROMPTS, PARAMS) < atol
 
 
-QUANTIZED = (PackedInt4, PackedInt8, PackedW4A8, PackedW8A8)
+QUANTIZED = (PackedInt4, PackedInt8, PackedW4A8, PackedW8A8, PackedBlock)
 
 
 def _quantized_kernels(model: torch.nn.Module) -> list[LinearKernel]:
@@ -148,8 +149,24 @@ def test_kept_block_types_equal_transformers_gguf_loader(files):
     llm = LLM(str(files["blocks"]), num_kv_blocks=32, activation_quantization=None)
     layer = llm.llm_engine.runner.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj.kernel, Stacked)
-    assert [type(k) for k in layer.self_attn.qkv_proj.kernel.parts][2] is PackedInt8
+    parts = [type(k) for k in layer.self_attn.qkv_proj.kernel.parts]
+    assert parts == [PackedBlock, PackedBlock, PackedInt8]
     _check_greedy(llm, _hf_gguf(files["blocks"]), atol=1e-4)
+
+
+def test_kept_block_types_on_int8_activations(files):
+    """By default the block types run ``cpu_klinear``'s integer kernel on the file's values:
+    transformers with every quantized matrix's input rounded as the kernels round it."""
+    llm = LLM(str(files["blocks"]), num_kv_blocks=32)
+    layer = llm.llm_engine.runner.model.model.layers[0]
+    assert isinstance(layer.mlp.gate_up_proj.kernel, PackedBlock)
+    assert layer.mlp.gate_up_proj.kernel.int8
+    hf = _hf_gguf(files["blocks"])
+    rounded = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    for name, module in hf.named_modules():
+        if name.rpartition(".")[2] in rounded:
+            module.register_forward_pre_hook(lambda _, args: (rounded_activations(args[0]),))
+    _check_greedy(llm, hf, atol=LOGPROB_ATOL_INT8_ACTIVATIONS)
 
 
 def test_quantization_flag_overrides_the_files_types(files):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
+from gguf_files import BLOCK_LAYOUTS, random_blocks
 
 from prefixserve.models.gguf_blocks import (
     BLOCK_TYPES,
@@ -20,17 +21,6 @@ from prefixserve.models.gguf_blocks import (
 )
 from prefixserve.models.quantization import BlockWeight, Int4Weight, Int8Weight, concat_rows
 
-# type -> (bytes per block, byte offsets of its float16 parameters)
-LAYOUTS = {
-    "Q8_0": (34, [0]),
-    "Q4_0": (18, [0]),
-    "Q4_1": (20, [0, 2]),
-    "Q5_0": (22, [0]),
-    "Q5_1": (24, [0, 2]),
-    "Q4_K": (144, [0, 2]),
-    "Q5_K": (176, [0, 2]),
-    "Q6_K": (210, [208]),
-}
 EXPECTED = {  # (bits, offset, span, sub, shifts, mins)
     "Q5_0": (5, 16, 1, False, False, False),
     "Q5_1": (5, 0, 1, False, True, False),
@@ -40,31 +30,17 @@ EXPECTED = {  # (bits, offset, span, sub, shifts, mins)
 }
 
 
-def _blocks(kind: str, rows: int, blocks: int, seed: int, fill: int | None = None) -> np.ndarray:
-    """uint8 ``[rows, blocks * bytes]``: random (or ``fill``) bytes, float16 parameters drawn
-    from a normal distribution (no inf or NaN)."""
-    size, halves = LAYOUTS[kind]
-    rng = np.random.default_rng(seed)
-    data = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
-    if fill is not None:
-        data[:] = fill
-    for at in halves:
-        f16 = rng.normal(0, 0.05, (rows, blocks, 1)).astype(np.float16)
-        data[..., at : at + 2] = f16.view(np.uint8)
-    return data.reshape(rows, -1)
-
-
 def _read(kind: str, data: np.ndarray):
     if kind in INT8_TYPES:
         return read_int8(kind, data)
     return read_int4(kind, data) if kind in INT4_TYPES else read_block(kind, data)
 
 
-@pytest.mark.parametrize("kind", list(LAYOUTS))
+@pytest.mark.parametrize("kind", list(BLOCK_LAYOUTS))
 @pytest.mark.parametrize("fill", [None, 0x00, 0xFF])
 def test_every_type_decodes_as_gguf_dequantizes_bit_for_bit(kind, fill):
     blocks = 3 if kind.endswith("_K") else 9
-    data = _blocks(kind, 5, blocks, seed=len(kind) + (fill or 1), fill=fill)
+    data = random_blocks(kind, 5, blocks, seed=len(kind) + (fill or 1), fill=fill)
     w = _read(kind, data)
     expected = dequantize(data, Q[kind])
     assert w.shape == expected.shape
@@ -72,11 +48,11 @@ def test_every_type_decodes_as_gguf_dequantizes_bit_for_bit(kind, fill):
 
 
 def test_each_type_maps_to_its_scheme_with_the_files_parameters():
-    assert {k: type(_read(k, _blocks(k, 2, 1, 0))) for k in LAYOUTS} == {
+    assert {k: type(_read(k, random_blocks(k, 2, 1, 0))) for k in BLOCK_LAYOUTS} == {
         "Q8_0": Int8Weight, "Q4_0": Int4Weight, "Q4_1": Int4Weight, **dict.fromkeys(BLOCK_TYPES, BlockWeight),
     }  # fmt: skip
     for kind, (bits, offset, span, sub, shifts, mins) in EXPECTED.items():
-        w = read_block(kind, _blocks(kind, 2, 1 if span == 8 else 8, 1))
+        w = read_block(kind, random_blocks(kind, 2, 1 if span == 8 else 8, 1))
         given = (w.sub, w.shifts, w.mins)
         got = (w.bits, w.offset, w.span, *(t is not None for t in given))
         assert got == (bits, offset, span, sub, shifts, mins), kind
@@ -94,7 +70,7 @@ def test_k_types_keep_the_files_sub_block_scales_and_mins():
     packed[0:4] = sc[:4] | ((sc[4:] >> 4) << 6)
     packed[4:8] = mn[:4] | ((mn[4:] >> 4) << 6)
     packed[8:12] = (sc[4:] & 0xF) | ((mn[4:] & 0xF) << 4)
-    data = _blocks("Q4_K", 1, 1, 3)
+    data = random_blocks("Q4_K", 1, 1, 3)
     data[0, 4:16] = packed
     w = read_block("Q4_K", data)
     assert w.sub[0].tolist() == np.repeat(sc, 2).tolist() and w.mins[0].tolist() == mn.tolist()
@@ -102,11 +78,11 @@ def test_k_types_keep_the_files_sub_block_scales_and_mins():
 
 
 def test_block_weights_stack_and_select_rows_by_type():
-    a, b = (read_block("Q6_K", _blocks("Q6_K", 3, 2, s)) for s in (4, 5))
+    a, b = (read_block("Q6_K", random_blocks("Q6_K", 3, 2, s)) for s in (4, 5))
     both = concat_rows([a, b])
     assert isinstance(both, BlockWeight) and both.shape == (6, 512)
     assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
     rows = torch.tensor([4, 0])
     assert torch.equal(both.index_rows(rows).dequantize(), both.dequantize()[rows])
-    other = read_block("Q5_K", _blocks("Q5_K", 3, 2, 6))
+    other = read_block("Q5_K", random_blocks("Q5_K", 3, 2, 6))
     assert concat_rows([a, other]) is None  # two types: not one scheme

@@ -13,6 +13,7 @@ from prefixserve.kernels import cpu_ops
 from prefixserve.models.linear import (
     Dense,
     Linear,
+    PackedBlock,
     PackedFloat,
     PackedInt4,
     PackedInt8,
@@ -150,3 +151,21 @@ def test_finalize_keeps_prequantized_parts_unless_another_scheme_is_asked():
 def test_finalize_refuses_an_unknown_method():
     with pytest.raises(InvalidArgumentError, match="quantization"):
         finalize_linears(_Toy(), "int3")
+
+
+@needs_kernels
+@pytest.mark.parametrize("activations", ["int8", None])
+def test_block_weights_take_the_block_kernel_on_cpu_and_portable_elsewhere(activations):
+    from gguf_files import random_blocks
+
+    from prefixserve.models.gguf_blocks import read_block
+
+    w = read_block("Q4_K", random_blocks("Q4_K", 40, 1, 0))
+    kernel = make_kernel(w, torch.float32, activations)
+    assert type(kernel) is PackedBlock and kernel.int8 == (activations == "int8")
+    assert type(make_kernel(w, torch.bfloat16, activations)) is Portable
+    index = torch.tensor([[0, 39], [17, 17]])
+    assert torch.equal(kernel.rows(index), w.dequantize()[index])
+    x = torch.randn(3, 256)
+    reference = F.linear(x.double(), w.dequantize().double()).float()
+    assert (kernel(x, None) - reference).abs().max() < 0.02 * reference.abs().max()

@@ -13,15 +13,16 @@ float weight wherever the kernel keeps its own form, so memory holds each matrix
     cuda            float                   Dense           the weight (F.linear)
     cuda            int4                    TritonInt4      codes [N, K/2], scales, shifts
     elsewhere       int8 / int4             Portable        the codes, dequantized at each call
-    anywhere        a GGUF BlockWeight      Portable        the file's codes and parameters
+    cpu (float32)   a GGUF BlockWeight      PackedBlock     the file's codes and parameters
+    elsewhere       a GGUF BlockWeight      Portable        the same, dequantized at each call
     anywhere        parts in several types  Stacked         one kernel per part
 
-The CPU kernels are ``prefixserve.kernels.cpu_linear`` (float activations) and ``cpu_qlinear``
+The CPU kernels are ``prefixserve.kernels.cpu_linear`` (float activations), ``cpu_qlinear``
 (``activations="int8"``: each activation row quantized to int8 in blocks of 32, integer dot
-products), built by ``cpu_ops``; one family for every row count: a row's result is bit-identical
-alone or in any batch. Where they cannot be built, CPU weights take the Dense and Portable
-kernels. Before ``finalize_linears`` a ``Linear`` multiplies by its float
-weight (models built by hand in tests).
+products) and ``cpu_klinear`` (GGUF's block types, on either), built by ``cpu_ops``; one family
+for every row count: a row's result is bit-identical alone or in any batch. Where they cannot be
+built, CPU weights take the Dense and Portable kernels. Before ``finalize_linears`` a ``Linear``
+multiplies by its float weight (models built by hand in tests).
 
 Which matrices are quantized (``quantization`` int8 / int4): the decoder layers' linears in the
 scheme (not an MoE router), and the vocabulary matrix (embedding and lm_head) in int8 under
@@ -42,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixserve.kernels import cpu_linear, cpu_ops, cpu_qlinear
+from prefixserve.kernels import cpu_klinear, cpu_linear, cpu_ops, cpu_qlinear
 from prefixserve.models.quantization import (
     GROUP_SIZE,
     QUANTIZATION_METHODS,
@@ -215,6 +216,43 @@ class PackedW4A8(LinearKernel):
         return _group_values(codes, scales, shifts).view(*index.shape, -1)
 
 
+class PackedBlock(LinearKernel):
+    """A ``BlockWeight`` (a GGUF type kept as the file holds it) in ``cpu_klinear``'s layout,
+    multiplied on int8 activations (``activations="int8"``) or on float activations."""
+
+    def __init__(self, weight: BlockWeight, activations: str | None) -> None:
+        super().__init__(*weight.shape, torch.float32)
+        self.kind, self.bits, self.offset, self.span = (
+            weight.kind, weight.bits, weight.offset, weight.span
+        )  # fmt: skip
+        self.int8 = activations == "int8"
+        packed = cpu_klinear.pack_block(
+            weight.codes, weight.bits, weight.scales, weight.sub, weight.shifts, weight.mins
+        )
+        for name, t in packed.items():
+            self.register_buffer(name, t)
+
+    def packed(self) -> dict[str, torch.Tensor | None]:
+        return {n: getattr(self, n) for n in ("low", "high", "scales", "sub", "shifts", "mins")}
+
+    def forward(self, x, bias):
+        fn = cpu_klinear.linear_kq8 if self.int8 else cpu_klinear.linear_kf32
+        args = (self.packed(), self.bits, self.offset, self.span, bias, self.out_features)
+        return self._flat(x, lambda x2: fn(x2, *args))
+
+    def rows(self, index):
+        flat = index.flatten()
+        params = {n: cpu_klinear.param_rows(getattr(self, n), flat)
+                  for n in ("scales", "sub", "shifts", "mins")}  # fmt: skip
+        weight = BlockWeight(
+            self.kind, cpu_klinear.block_codes(self.low, self.high, flat), self.bits,
+            self.offset, params["scales"].float(), params["sub"],
+            None if params["shifts"] is None else params["shifts"].float(), params["mins"],
+            self.span,
+        )  # fmt: skip
+        return weight.dequantize().view(*index.shape, -1)
+
+
 class Portable(LinearKernel):
     """A quantized weight held as its codes and parameters and dequantized, in the model dtype,
     at every call: correct anywhere, fast nowhere."""
@@ -294,7 +332,7 @@ class Stacked(LinearKernel):
 
 
 # cpu_linear's and cpu_qlinear's: batch-invariant (a Stacked kernel's parts are checked apart)
-PACKED_KERNELS = (PackedFloat, PackedInt8, PackedInt4, PackedW8A8, PackedW4A8, Stacked)
+PACKED_KERNELS = (PackedFloat, PackedInt8, PackedInt4, PackedW8A8, PackedW4A8, PackedBlock, Stacked)
 
 
 class Linear(nn.Module):
@@ -342,7 +380,7 @@ def make_kernel(
     if isinstance(weight, torch.Tensor):
         return PackedFloat(weight) if cpu else Dense(weight)
     if isinstance(weight, BlockWeight):
-        return Portable(weight, dtype)
+        return PackedBlock(weight, activations) if cpu else Portable(weight, dtype)
     int8 = isinstance(weight, Int8Weight)
     if cpu and activations == "int8" and weight.group_size == cpu_qlinear.BLOCK:
         return PackedW8A8(weight) if int8 else PackedW4A8(weight)
