@@ -16,6 +16,8 @@ import torch
 from prefixserve.kernels.cpu_linear import LANES, _blocks, block_rows
 from prefixserve.kernels.cpu_qlinear import int4_words, w4a8_rows
 
+Packed = dict[str, torch.Tensor | None]  # what pack_block returns: name -> tensor or None
+
 
 def pack_high(codes: torch.Tensor, bits: int) -> torch.Tensor | None:
     """Code bits 4 .. ``bits`` - 1 of ``[N, K]`` codes -> ``[NB, K / 32, E, 16, 4]`` uint8
@@ -48,7 +50,7 @@ def pack_block(
     sub: torch.Tensor | None,
     shifts: torch.Tensor | None,
     mins: torch.Tensor | None,
-) -> dict[str, torch.Tensor | None]:
+) -> Packed:
     """A ``BlockWeight``'s tensors in the kernels' layout: ``low``, ``high`` (None for 4-bit
     codes), float16 ``scales`` / ``shifts``, int8 ``sub``, uint8 ``mins`` (None where absent)."""
 
@@ -65,24 +67,34 @@ def pack_block(
     }
 
 
-def block_codes(low: torch.Tensor, high: torch.Tensor | None, index: torch.Tensor):
+def block_codes(low: torch.Tensor, high: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor:
     """The codes ``[len(index), K]`` of rows ``index`` of a ``pack_block`` layout."""
     codes = w4a8_rows(low, index)
     return codes if high is None else codes | (high_rows(high, index) << 4)
 
 
 def param_rows(t: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
+    """Rows ``index`` of a packed parameter tensor (None stays None)."""
     return None if t is None else block_rows(t, index)
 
 
-def linear_kq8(x: torch.Tensor, packed: dict, bits: int, offset: int, span: int, bias, n: int):
+def linear_kq8(
+    x: torch.Tensor, packed: Packed, bits: int, offset: int, span: int,
+    bias: torch.Tensor | None, n: int,
+) -> torch.Tensor:  # fmt: skip
+    """``x W^T + bias`` on int8 activations (``cpu_klinear.cpp``)."""
     return torch.ops.prefixserve_cpu.linear_kq8(x, *_args(packed, bits, offset, span), bias, n)
 
 
-def linear_kf32(x: torch.Tensor, packed: dict, bits: int, offset: int, span: int, bias, n: int):
+def linear_kf32(
+    x: torch.Tensor, packed: Packed, bits: int, offset: int, span: int,
+    bias: torch.Tensor | None, n: int,
+) -> torch.Tensor:  # fmt: skip
+    """``x W^T + bias`` on float32 activations (``cpu_klinear.cpp``)."""
     return torch.ops.prefixserve_cpu.linear_kf32(x, *_args(packed, bits, offset, span), bias, n)
 
 
-def _args(packed: dict, bits: int, offset: int, span: int) -> tuple:
+def _args(packed: Packed, bits: int, offset: int, span: int) -> tuple:
+    """The ops' weight arguments, in their order."""
     names = ("low", "high", "scales", "sub", "shifts", "mins")
     return (*(packed[k] for k in names), bits, offset, span)

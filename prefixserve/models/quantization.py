@@ -6,7 +6,7 @@ float16 parameters (GGUF's blocks in the same shape, ``gguf_blocks``):
 
 - ``int8``: symmetric, ``w[n, k] = q[n, k] * scale[n, g]``, ``q`` in [-127, 127] (GGUF's Q8_0).
 - ``int4``: asymmetric, ``w[n, k] = q[n, k] * scale[n, g] + shift[n, g]``, ``q`` in [0, 15]
-  (GGUF's Q4_0, Q4_1 and Q4_K).
+  (GGUF's Q4_0 and Q4_1).
 
 with ``g = k // group``. The parameters are float16 values kept as float32 tensors, so
 ``dequantize()`` is exactly the matrix the kernels multiply by (``prefixserve.models.linear``),
