@@ -1,5 +1,6 @@
 """The CPU kernels written in C++ here (``cpu_linear.cpp``: linear layers on float activations;
-``cpu_qlinear.cpp``: int8 / int4 linear layers on int8 activations; ``cpu_attention.cpp``: paged
+``cpu_qlinear.cpp``: int8 / int4 linear layers on int8 activations; ``cpu_klinear.cpp``: GGUF's
+block types on int8 or float activations, both on ``cpu_qisa.h``; ``cpu_attention.cpp``: paged
 attention), registered as torch ops ``torch.ops.prefixserve_cpu.*``.
 
 ``available()`` builds them on first use with the machine's own compiler
@@ -30,7 +31,9 @@ import xxhash
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).resolve().parent
-_SOURCES = [_HERE / "cpu_linear.cpp", _HERE / "cpu_qlinear.cpp", _HERE / "cpu_attention.cpp"]
+_SOURCES = [_HERE / "cpu_linear.cpp", _HERE / "cpu_qlinear.cpp", _HERE / "cpu_klinear.cpp",
+            _HERE / "cpu_attention.cpp"]  # fmt: skip
+HEADERS = [_HERE / "cpu_qisa.h"]  # part of the build's digest, not compiled alone
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 
 
@@ -39,7 +42,7 @@ def available() -> bool:
     """Whether the ``prefixserve_cpu`` ops can run here (built and loaded in this process)."""
     start = time.perf_counter()
     digest = xxhash.xxh3_64(f"{torch.__version__}|{_FLAGS}".encode())
-    for source in _SOURCES:
+    for source in _SOURCES + HEADERS:
         digest.update(source.read_bytes())
     try:
         load_extension(f"prefixserve_cpu_{digest.hexdigest()}", _SOURCES, _FLAGS)
@@ -103,6 +106,14 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake(lib + "linear_w4a8")
     def _(x, w, scales, shifts, bias, n):
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake(lib + "linear_kq8")
+    def _(x, low, high, scales, sub, shifts, mins, bits, offset, span, bias, n):
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake(lib + "linear_kf32")
+    def _(x, low, high, scales, sub, shifts, mins, bits, offset, span, bias, n):
         return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake(lib + "paged_attention")

@@ -32,10 +32,16 @@ def pack_w4a8(
     """Codes ``[N, K]`` in [0, 15] and group-32 scales and shifts ``[N, K / 32]`` -> ``[NB, K / 8,
     16, 4]`` uint8 (byte i of word ``(j, lane)``: low nibble k = 8j + i, high 8j + 4 + i) and
     float16 ``[NB, K / 32, 16]`` scales and shifts."""
+    half = torch.float16
+    return int4_words(codes), _blocks(scales.to(half)), _blocks(shifts.to(half))
+
+
+def int4_words(codes: torch.Tensor) -> torch.Tensor:
+    """Codes ``[N, K]`` in [0, 15] -> ``[NB, K / 8, 16, 4]`` uint8: byte i of word ``(j, lane)``
+    holds k = 8j + i in its low nibble and 8j + 4 + i in its high."""
     blocks = _blocks(codes.to(torch.uint8)).unflatten(1, (-1, 2, 4))  # [NB, K / 8, 2, 4, 16]
     pairs = blocks[:, :, 0] | (blocks[:, :, 1] << 4)  # [NB, K / 8, 4, 16]
-    half = torch.float16
-    return pairs.transpose(-1, -2).contiguous(), _blocks(scales.to(half)), _blocks(shifts.to(half))
+    return pairs.transpose(-1, -2).contiguous()
 
 
 def w8a8_rows(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

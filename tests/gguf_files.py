@@ -125,3 +125,30 @@ def _add_tokenizer(writer: GGUFWriter) -> None:
     writer.add_pad_token_id(tok.pad_token_id)
     writer.add_add_bos_token(True)
     writer.add_chat_template(tok.chat_template)
+
+
+# GGUF type -> (bytes per block, byte offsets of its float16 parameters)
+BLOCK_LAYOUTS = {
+    "Q8_0": (34, [0]),
+    "Q4_0": (18, [0]),
+    "Q4_1": (20, [0, 2]),
+    "Q5_0": (22, [0]),
+    "Q5_1": (24, [0, 2]),
+    "Q4_K": (144, [0, 2]),
+    "Q5_K": (176, [0, 2]),
+    "Q6_K": (210, [208]),
+}
+
+
+def random_blocks(kind: str, rows: int, blocks: int, seed: int, fill: int | None = None):
+    """uint8 ``[rows, blocks * bytes]`` of GGUF type ``kind``: random (or ``fill``) bytes, its
+    float16 parameters drawn from a normal distribution (no inf or NaN)."""
+    size, halves = BLOCK_LAYOUTS[kind]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    if fill is not None:
+        data[:] = fill
+    for at in halves:
+        f16 = rng.normal(0, 0.05, (rows, blocks, 1)).astype(np.float16)
+        data[..., at : at + 2] = f16.view(np.uint8)
+    return data.reshape(rows, -1)

@@ -1,13 +1,13 @@
-"""The arithmetic of ``kernels/cpu_qlinear.cpp`` (W8A8, W4A8) written in torch, operation for
-operation: activations quantized per row in blocks of 32, exact integer block sums, then the float
-scaling with one rounding per operation, groups ascending, then the bias. The kernels must equal
-it bit for bit."""
+"""The arithmetic of ``kernels/cpu_qlinear.cpp`` (W8A8, W4A8) and of ``cpu_klinear.cpp`` on int8
+activations (GGUF's block types) written in torch, operation for operation: activations quantized
+per row in blocks of 32, exact integer block sums, then the float scaling with one rounding per
+operation, groups ascending, then the bias. The kernels must equal it bit for bit."""
 
 from __future__ import annotations
 
 import torch
 
-from prefixserve.models.quantization import Int4Weight, Int8Weight
+from prefixserve.models.quantization import BlockWeight, Int4Weight, Int8Weight
 
 BLOCK = 32
 
@@ -57,3 +57,31 @@ def linear_w4a8(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) 
         parts.append(sums[:, :, g] * (weight.scales[None, :, g] * d[:, g, None]))
         parts.append(weight.shifts[None, :, g] * dsum[:, g, None])
     return _finish(parts, bias, (x.shape[0], n))
+
+
+def linear_kq8(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``kernels/cpu_klinear.cpp`` on int8 activations: half-block integer sums, the offset
+    times the half-block code sums, sub-block scales, all exact; then per group
+    ``float(S) * (scale * d)`` and ``(shift * float(min)) * (d * float(Q))``."""
+    codes, d, qsum = quantize_activations(x)
+    m, n, groups = x.shape[0], weight.shape[0], d.shape[1]
+    xc = codes.view(m, groups, 2, 16)
+    t = (xc[:, None] * weight.codes.long().view(n, groups, 2, 16)[None]).sum(dim=-1)
+    if weight.sub is not None:  # [M, N, G, 2] halves, each scaled
+        q16 = xc.sum(dim=-1)[:, None]
+        s = (weight.sub.long().view(n, groups, 2)[None] * (t - weight.offset * q16)).sum(dim=-1)
+    else:
+        s = t.sum(dim=-1) - weight.offset * qsum[:, None]
+    scales = weight.scales.repeat_interleave(weight.span, dim=1)
+    dsum = d * qsum.float()
+    shifts = None
+    if weight.shifts is not None:
+        shifts = weight.shifts.repeat_interleave(weight.span, dim=1)
+        if weight.mins is not None:
+            shifts = shifts * weight.mins.float()
+    parts = []
+    for g in range(groups):
+        parts.append(s[:, :, g].float() * (scales[None, :, g] * d[:, g, None]))
+        if shifts is not None:
+            parts.append(shifts[None, :, g] * dsum[:, g, None])
+    return _finish(parts, bias, (m, n))

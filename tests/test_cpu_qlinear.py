@@ -5,18 +5,16 @@ batch."""
 
 from __future__ import annotations
 
-import platform
-from pathlib import Path
-
+import isa_builds
 import pytest
 import torch
-import xxhash
 from qlinear_reference import linear_w4a8, linear_w8a8, quantize_activations
 
 from prefixserve.kernels import cpu_ops, cpu_qlinear
 from prefixserve.models.quantization import quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ toolchain")
+isa_ops = isa_builds.isa_ops  # the fixture: the kernels built for other instruction sets
 
 # (M, N, K): one row, tiles of 1..8 rows and past them, N not a multiple of 16 (odd), K of
 # one group and of many (odd numbers of groups)
@@ -134,34 +132,6 @@ def test_the_ops_trace_in_torch_compile():
     fn = torch.compile(lambda x: cpu_qlinear.linear_w4a8(x, *packed, None, 32) * 2, fullgraph=True)
     x = torch.randn(3, 64, generator=_gen(2))
     assert torch.equal(fn(x), 2 * cpu_qlinear.linear_w4a8(x, *packed, None, 32))
-
-
-# Builds of cpu_qlinear.cpp alone for other instruction sets (-march), each in its own op
-# namespace beside the engine's build: (march, namespace, the path it must take).
-ISA_BUILDS = [("x86-64-v3", "qlinear_avx2", "avx2"), ("x86-64", "qlinear_portable", "portable")]
-
-
-def _cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-@pytest.fixture(scope="module", params=ISA_BUILDS, ids=[b[2] for b in ISA_BUILDS])
-def isa_ops(request):
-    """The ops of one build (built once per source version, cached like the engine's)."""
-    march, namespace, isa = request.param
-    if platform.machine() != "x86_64" or (isa == "avx2" and "avx2" not in _cpu_flags()):
-        pytest.skip(f"{march} does not run here")
-    source = Path(cpu_qlinear.__file__).with_name("cpu_qlinear.cpp")
-    flags = ["-O2", f"-march={march}", "-ffp-contract=off", "-fopenmp",
-             f"-DQLINEAR_NAMESPACE={namespace}"]  # fmt: skip
-    digest = xxhash.xxh3_64(f"{torch.__version__}|{flags}".encode() + source.read_bytes())
-    cpu_ops.load_extension(f"{namespace}_{digest.hexdigest()}", [source], flags)
-    ops = getattr(torch.ops, namespace)
-    assert ops.qlinear_isa() == isa
-    return ops
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])

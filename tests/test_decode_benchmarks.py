@@ -53,8 +53,10 @@ def test_profile_sorts_the_step_into_its_pieces(tiny_model, capsys):
 
 def test_ab_compares_two_checkouts_in_turn(tiny_model, tmp_path):
     argv = ["--baseline", str(ab.THIS_CHECKOUT), "--model", str(tiny_model),
-            "--streams", "1", "2", "--rounds", "1", "--steps", "3", "--out-dir", str(tmp_path)]  # fmt: skip
+            "--streams", "1", "2", "--rounds", "1", "--steps", "3", "--out-dir", str(tmp_path),
+            "--keep-gguf"]  # fmt: skip
     result = ab.main(argv)
+    assert result["keep_gguf"]
     for n in ("1", "2"):
         for name in ("baseline", "new"):
             assert len(result["steps"][name][n]["wall"]) == 3  # every decode step is timed

@@ -4,7 +4,6 @@ kept-quantized schemes, and the errors a bad file gets. Files are written by the
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import transformers
@@ -17,15 +16,17 @@ from quant_reference import LOGPROB_ATOL_INT8_ACTIVATIONS, rounded_activations
 from prefixserve import LLM, SamplingParams
 from prefixserve.core.errors import ModelLoadError, UnsupportedModelError
 from prefixserve.models.builtin import builtin_tokenizer
-from prefixserve.models.gguf_blocks import read_int4, read_int8
 from prefixserve.models.gguf_loader import GGUFCheckpoint, gguf_tokenizer
 from prefixserve.models.linear import (
     LinearKernel,
+    PackedBlock,
     PackedInt4,
     PackedInt8,
     PackedW4A8,
     PackedW8A8,
+    Stacked,
 )
+from prefixserve.models.quantization import scheme_of
 
 MIXED = {  # every kept scheme and an unfused F32 layer (o_proj)
     "attn_q": Q.Q4_0,
@@ -34,6 +35,15 @@ MIXED = {  # every kept scheme and an unfused F32 layer (o_proj)
     "ffn_gate": Q.Q4_1,
     "ffn_up": Q.Q4_1,
     "ffn_down": Q.Q8_0,
+}
+BLOCKS = {  # GGUF's 5-bit types, and a fused qkv in two types (as llama-quantize's Q4_K_M has)
+    "attn_q": Q.Q5_0,
+    "attn_k": Q.Q5_0,
+    "attn_v": Q.Q8_0,
+    "attn_output": Q.Q5_1,
+    "ffn_gate": Q.Q5_1,
+    "ffn_up": Q.Q5_1,
+    "ffn_down": Q.Q5_0,
 }
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], list(range(40, 70))]
 PARAMS = SamplingParams(max_tokens=10, temperature=0.0, logprobs=0, ignore_eos=True)
@@ -46,6 +56,7 @@ def files(tmp_path_factory):
     return {
         "f32": write_gguf(folder, root / "f32.gguf"),
         "mixed": write_gguf(folder, root / "mixed.gguf", MIXED),
+        "blocks": write_gguf(folder, root / "blocks.gguf", BLOCKS),
     }
 
 
@@ -60,35 +71,7 @@ def _check_greedy(llm: LLM, hf: torch.nn.Module, atol: float) -> None:
     assert greedy_logprob_error(llm, hf, PROMPTS, PARAMS) < atol
 
 
-@pytest.mark.parametrize(("kind", "block_bytes", "halves"), [("Q4_0", 18, 1), ("Q4_1", 20, 2), ("Q4_K", 144, 2)])  # fmt: skip
-def test_int4_blocks_decode_as_gguf_dequantizes(kind, block_bytes, halves):
-    rng = np.random.default_rng(0)
-    rows, blocks = 4, 3
-    data = rng.integers(0, 256, (rows, blocks, block_bytes), dtype=np.uint8)
-    f16 = rng.normal(0, 0.1, (rows, blocks, halves)).astype(np.float16)
-    data[..., : 2 * halves] = f16.view(np.uint8).reshape(rows, blocks, 2 * halves)
-    data = data.reshape(rows, -1)
-    w = read_int4(kind, data)
-    assert w.qvalues.shape == w.dequantize().shape and int(w.qvalues.max()) <= 15
-    expected = dequantize(data, Q[kind])
-    if kind == "Q4_K":  # d * sc and dmin * m rounded to float16: within 2^-11 of a step
-        step = np.abs(expected).max() / 15
-        np.testing.assert_allclose(w.dequantize().numpy(), expected, atol=16 * step * 2**-11)
-    else:
-        np.testing.assert_array_equal(w.dequantize().numpy(), expected)
-
-
-def test_q8_0_blocks_decode_as_gguf_dequantizes():
-    rng = np.random.default_rng(1)
-    data = rng.integers(0, 256, (4, 3, 34), dtype=np.uint8)
-    data[..., :2] = rng.normal(0, 0.1, (4, 3, 1)).astype(np.float16).view(np.uint8)
-    data = data.reshape(4, -1)
-    w = read_int8("Q8_0", data)
-    assert w.qweight.dtype == torch.int8 and w.scales.shape == (4, 3)
-    np.testing.assert_array_equal(w.dequantize().numpy(), dequantize(data, Q.Q8_0))
-
-
-QUANTIZED = (PackedInt4, PackedInt8, PackedW4A8, PackedW8A8)
+QUANTIZED = (PackedInt4, PackedInt8, PackedW4A8, PackedW8A8, PackedBlock)
 
 
 def _quantized_kernels(model: torch.nn.Module) -> list[LinearKernel]:
@@ -141,6 +124,45 @@ def test_kept_quantized_gguf_on_int8_activations(files):
     assert isinstance(layer.mlp.down_proj.kernel, PackedW8A8)
     hf = _hf_gguf(files["mixed"])
     rounded = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj")  # not F32 o_proj
+    for name, module in hf.named_modules():
+        if name.rpartition(".")[2] in rounded:
+            module.register_forward_pre_hook(lambda _, args: (rounded_activations(args[0]),))
+    _check_greedy(llm, hf, atol=LOGPROB_ATOL_INT8_ACTIVATIONS)
+
+
+def test_block_types_are_kept_with_the_files_values(files):
+    ckpt = GGUFCheckpoint(files["blocks"])
+    hf = dict(_hf_gguf(files["blocks"]).named_parameters())
+    for name, _ in ckpt.weights():
+        if name in ckpt.prequantized:
+            torch.testing.assert_close(ckpt.prequantized[name].dequantize(), hf[name], atol=0, rtol=0)  # fmt: skip
+    kinds = {n.split(".")[-2]: scheme_of(w) for n, w in ckpt.prequantized.items()}
+    assert kinds == {
+        "q_proj": "q5_0", "k_proj": "q5_0", "v_proj": "int8", "o_proj": "q5_1",
+        "gate_proj": "q5_1", "up_proj": "q5_1", "down_proj": "q5_0",
+    }  # fmt: skip
+
+
+def test_kept_block_types_equal_transformers_gguf_loader(files):
+    """On float activations the file's 5-bit types and a q/k/v fused from two types multiply
+    by exactly the file's values: transformers' dequantized load is the reference."""
+    llm = LLM(str(files["blocks"]), num_kv_blocks=32, activation_quantization=None)
+    layer = llm.llm_engine.runner.model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj.kernel, Stacked)
+    parts = [type(k) for k in layer.self_attn.qkv_proj.kernel.parts]
+    assert parts == [PackedBlock, PackedBlock, PackedInt8]
+    _check_greedy(llm, _hf_gguf(files["blocks"]), atol=1e-4)
+
+
+def test_kept_block_types_on_int8_activations(files):
+    """By default the block types run ``cpu_klinear``'s integer kernel on the file's values:
+    transformers with every quantized matrix's input rounded as the kernels round it."""
+    llm = LLM(str(files["blocks"]), num_kv_blocks=32)
+    layer = llm.llm_engine.runner.model.model.layers[0]
+    assert isinstance(layer.mlp.gate_up_proj.kernel, PackedBlock)
+    assert layer.mlp.gate_up_proj.kernel.int8
+    hf = _hf_gguf(files["blocks"])
+    rounded = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     for name, module in hf.named_modules():
         if name.rpartition(".")[2] in rounded:
             module.register_forward_pre_hook(lambda _, args: (rounded_activations(args[0]),))

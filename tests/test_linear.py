@@ -13,10 +13,12 @@ from prefixserve.kernels import cpu_ops
 from prefixserve.models.linear import (
     Dense,
     Linear,
+    PackedBlock,
     PackedFloat,
     PackedInt4,
     PackedInt8,
     Portable,
+    Stacked,
     finalize_linears,
     make_kernel,
 )
@@ -61,6 +63,29 @@ def test_every_kernel_multiplies_and_reads_rows_as_its_weight(scheme):
     for kernel in kernels:
         torch.testing.assert_close(kernel(x, b), F.linear(x, reference, b), atol=1e-4, rtol=1e-4)
         assert torch.equal(kernel.rows(index), reference[index])
+
+
+def test_a_stacked_kernel_is_its_parts_side_by_side():
+    parts = [quantize(_w(16, 64, 1), "int4"), quantize(_w(8, 64, 2), "int8"), _w(24, 64, 3)]
+    reference = torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts])
+    kernel = Stacked([make_kernel(p, torch.float32) for p in parts])
+    x, b = torch.randn(2, 3, 64), torch.randn(48)
+    assert (kernel.out_features, kernel.in_features) == (48, 64)
+    torch.testing.assert_close(kernel(x, b), F.linear(x, reference, b), atol=1e-4, rtol=1e-4)
+    index = torch.tensor([[0, 47], [16, 23]])
+    assert torch.equal(kernel.rows(index), reference[index])
+
+
+def test_finalize_stacks_prequantized_parts_of_different_schemes():
+    toy = _Toy()
+    parts = [quantize(_w(16, 64, s), m) for s, m in ((0, "int4"), (1, "int4"), (2, "int8"))]
+    pre = {f"layers.0.{p}.weight": q for p, q in zip(("q_proj", "k_proj", "v_proj"), parts)}
+    assert finalize_linears(toy, None, pre, toy.source_names) == {
+        "layers.0.qkv_proj": "int4+int4+int8"
+    }
+    assert isinstance(toy.layers[0]["qkv_proj"].kernel, Stacked)
+    done = finalize_linears(_Toy(), "int8", pre, _Toy.source_names)  # one scheme asked: one kernel
+    assert done["layers.0.qkv_proj"] == "int8"
 
 
 def test_a_linear_drops_its_float_weight_for_a_kernel():
@@ -126,3 +151,21 @@ def test_finalize_keeps_prequantized_parts_unless_another_scheme_is_asked():
 def test_finalize_refuses_an_unknown_method():
     with pytest.raises(InvalidArgumentError, match="quantization"):
         finalize_linears(_Toy(), "int3")
+
+
+@needs_kernels
+@pytest.mark.parametrize("activations", ["int8", None])
+def test_block_weights_take_the_block_kernel_on_cpu_and_portable_elsewhere(activations):
+    from gguf_files import random_blocks
+
+    from prefixserve.models.gguf_blocks import read_block
+
+    w = read_block("Q4_K", random_blocks("Q4_K", 40, 1, 0))
+    kernel = make_kernel(w, torch.float32, activations)
+    assert type(kernel) is PackedBlock and kernel.int8 == (activations == "int8")
+    assert type(make_kernel(w, torch.bfloat16, activations)) is Portable
+    index = torch.tensor([[0, 39], [17, 17]])
+    assert torch.equal(kernel.rows(index), w.dequantize()[index])
+    x = torch.randn(3, 256)
+    reference = F.linear(x.double(), w.dequantize().double()).float()
+    assert (kernel(x, None) - reference).abs().max() < 0.02 * reference.abs().max()

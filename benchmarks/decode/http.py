@@ -25,6 +25,8 @@ Pairs (prefixserve on the shipped Q4_1 file, with its options / llama-server on 
   int8     --gguf-dequantize --quantization int8  / Q8_0  the same scheme class, group 32
   int4     --gguf-dequantize --quantization int4  / Q4_0  the same scheme class, group 32
   gguf     (Q4_1 kept as int4 group 32)           / Q4_1  the same weights (the same file)
+  q4_k_m   the Q4_K_M file made by llama-quantize, kept / Q4_K_M  the same file (Q5_0, Q4_K,
+           Q6_K and Q8_0 tensors, each in its own type on both sides)
 Both sides keep the tied embedding / lm_head in Q8_0 (int8 group 32) beside Q4 layers.
 Both sides multiply quantized weights on activations quantized to 8 bits in blocks of 32
 (prefixserve's ``--activation-quantization int8``, its default; ``none`` keeps them float32).
@@ -50,7 +52,9 @@ PAIRS = {
     "int8": (["--gguf-dequantize", "--quantization", "int8"], "Q8_0", "same scheme class"),
     "int4": (["--gguf-dequantize", "--quantization", "int4"], "Q4_0", "same scheme class"),
     "gguf": ([], "Q4_1", "same weights"),
+    "q4_k_m": ([], "Q4_K_M", "same file"),
 }
+SERVED = {"q4_k_m": "Q4_K_M"}  # pair -> the GGUF type prefixserve serves, where not the shipped
 PHASES = ("schedule", "prepare", "forward", "sample", "output")
 ACTIVATIONS = {"int8": "int8", "none": None}  # --activation-quantization -> LLM's option
 
@@ -102,18 +106,19 @@ def http_pair(pair: str, args: argparse.Namespace, bandwidth: float) -> list[dic
     options, ftype, relation = PAIRS[pair]
     shipped = peer.smollm2_gguf()
     peer_file = peer.gguf_of_type(shipped, ftype)
+    served = peer.gguf_of_type(shipped, SERVED[pair]) if pair in SERVED else shipped
     weight_bytes = peer.gguf_tensor_bytes(peer_file)
     most = max(args.streams)
     ps_port, ll_port = peer.free_port(), peer.free_port()
-    ps_cmd = peer.prefixserve_command(shipped, ps_port, max_num_seqs=most, extra=[
+    ps_cmd = peer.prefixserve_command(served, ps_port, max_num_seqs=most, extra=[
         *options, "--activation-quantization", args.activation_quantization,
         "--max-model-len", str(args.ctx_per_slot)])  # fmt: skip
     ll_cmd = peer.llama_server_command(
         peer.require_binary("llama-server", args.peer_build), peer_file, ll_port,
         threads=args.threads,
         parallel=most, ctx_per_slot=args.ctx_per_slot)  # fmt: skip
-    offline = LLM(str(shipped), num_kv_blocks=256, max_num_seqs=most,
-                  max_model_len=args.ctx_per_slot, **SCHEMES[pair],
+    offline = LLM(str(served), num_kv_blocks=256, max_num_seqs=most,
+                  max_model_len=args.ctx_per_slot, **SCHEMES.get(pair, {}),
                   activation_quantization=ACTIVATIONS[args.activation_quantization])  # fmt: skip
     systems = ("prefixserve", "llama.cpp", "offline")
     runs: dict[str, dict[int, list[dict]]] = {s: {n: [] for n in args.streams} for s in systems}
@@ -144,7 +149,7 @@ def http_pair(pair: str, args: argparse.Namespace, bandwidth: float) -> list[dic
         ms = {s: statistics.median(x["ms_per_step"] for x in runs[s][n]) for s in systems}
         roof = roofline_tokens_per_s(weight_bytes, bandwidth, n)
         rows.append({
-            "pair": pair, "prefixserve": f"serve smollm2 {' '.join(options)}".strip(),
+            "pair": pair, "prefixserve": f"serve {served.name} {' '.join(options)}".strip(),
             "llama_cpp": ftype, "relation": relation, "streams": n,
             "prefixserve_tokens_per_s": med["prefixserve"],
             "llama_cpp_tokens_per_s": med["llama.cpp"],

