@@ -289,12 +289,9 @@ def cascade_decode_attention(
     ``shared_splits`` override the split counts of the suffixes / the shared lengths.
     """
     suffix_out, suffix_lse = decode_splits(
-        query,
-        k_cache,
-        v_cache,
+        PagedLaunch(query, k_cache, v_cache, scale),
         block_tables,
         seq_lens,
-        scale,
         groups.max_suffix_len,
         num_splits,
         block_n,

@@ -230,15 +230,8 @@ Blocks blocks(const at::Tensor& x, const at::Tensor& low, const c10::optional<at
           data_or_null<uint8_t>(mins), K, groups, span, static_cast<int>(offset)};
 }
 
-at::Tensor linear_kq8(const at::Tensor& x, const at::Tensor& low,
-                      const c10::optional<at::Tensor>& high, const at::Tensor& scales,
-                      const c10::optional<at::Tensor>& sub, const c10::optional<at::Tensor>& shifts,
-                      const c10::optional<at::Tensor>& mins, int64_t bits, int64_t offset,
-                      int64_t span, const c10::optional<at::Tensor>& bias, int64_t n) {
-  const Blocks w = blocks(x, low, high, scales, sub, shifts, mins, bits, offset, span, bias, n);
-  auto out = at::empty({x.size(0), n}, x.options());
-  const Problem p{x.size(0), w.K, n, low.size(0), out.data_ptr<float>(), data_or_null<float>(bias)};
-  const Activations a = quantize_rows(x.data_ptr<float>(), p.M, p.K);
+void run_q8(const Blocks& w, const Problem& p, const float* xp, int64_t bits) {
+  const Activations a = quantize_rows(xp, p.M, p.K);
   const int64_t block_bytes = w.low_bytes() * bits / 4;
   with_high_bits(bits, [&](auto E) {
     for_each_block(p, block_bytes, [&](int64_t b, int64_t m0, auto MT) {
@@ -248,18 +241,9 @@ at::Tensor linear_kq8(const at::Tensor& x, const at::Tensor& low,
         block_q8<decltype(E)::value, 1, decltype(MT)::value>(w, a, p, b, m0);
     });
   });
-  return out;
 }
 
-at::Tensor linear_kf32(const at::Tensor& x, const at::Tensor& low,
-                       const c10::optional<at::Tensor>& high, const at::Tensor& scales,
-                       const c10::optional<at::Tensor>& sub, const c10::optional<at::Tensor>& shifts,
-                       const c10::optional<at::Tensor>& mins, int64_t bits, int64_t offset,
-                       int64_t span, const c10::optional<at::Tensor>& bias, int64_t n) {
-  const Blocks w = blocks(x, low, high, scales, sub, shifts, mins, bits, offset, span, bias, n);
-  auto out = at::empty({x.size(0), n}, x.options());
-  const Problem p{x.size(0), w.K, n, low.size(0), out.data_ptr<float>(), data_or_null<float>(bias)};
-  const float* xp = x.data_ptr<float>();
+void run_f32(const Blocks& w, const Problem& p, const float* xp, int64_t bits) {
   std::vector<float> xsum(p.M * w.groups);
   for (int64_t m = 0; m < p.M; ++m)
     for (int64_t g = 0; g < w.groups; ++g) {
@@ -280,6 +264,23 @@ at::Tensor linear_kf32(const at::Tensor& x, const at::Tensor& low,
       }
     });
   });
+}
+
+// Both ops' entry point: one argument list and one set of checks; ``Int8`` picks the
+// activations (int8 in blocks of 32: ``linear_kq8``; float32: ``linear_kf32``).
+template <bool Int8>
+at::Tensor linear_k(const at::Tensor& x, const at::Tensor& low,
+                    const c10::optional<at::Tensor>& high, const at::Tensor& scales,
+                    const c10::optional<at::Tensor>& sub, const c10::optional<at::Tensor>& shifts,
+                    const c10::optional<at::Tensor>& mins, int64_t bits, int64_t offset,
+                    int64_t span, const c10::optional<at::Tensor>& bias, int64_t n) {
+  const Blocks w = blocks(x, low, high, scales, sub, shifts, mins, bits, offset, span, bias, n);
+  auto out = at::empty({x.size(0), n}, x.options());
+  const Problem p{x.size(0), w.K, n, low.size(0), out.data_ptr<float>(), data_or_null<float>(bias)};
+  if constexpr (Int8)
+    run_q8(w, p, x.data_ptr<float>(), bits);
+  else
+    run_f32(w, p, x.data_ptr<float>(), bits);
   return out;
 }
 
@@ -299,6 +300,6 @@ TORCH_LIBRARY_FRAGMENT(QLINEAR_NAMESPACE, m) {
 }
 
 TORCH_LIBRARY_IMPL(QLINEAR_NAMESPACE, CPU, m) {
-  m.impl("linear_kq8", &linear_kq8);
-  m.impl("linear_kf32", &linear_kf32);
+  m.impl("linear_kq8", &linear_k<true>);
+  m.impl("linear_kf32", &linear_k<false>);
 }

@@ -121,12 +121,9 @@ def decode_attention(
     ``scale * q.k`` over those positions, natural log, ``-inf`` for an empty range.
     """
     part_out, part_lse = decode_splits(
-        query,
-        k_cache,
-        v_cache,
+        PagedLaunch(query, k_cache, v_cache, scale),
         block_tables,
         seq_lens,
-        scale,
         max_seq_len,
         num_splits,
         block_n,
@@ -137,23 +134,21 @@ def decode_attention(
 
 
 def decode_splits(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    launch: PagedLaunch,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    scale: float,
     max_seq_len: int,
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     context_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stage 1 of ``decode_attention`` alone (arguments as there): returns each split's partial
-    output ``[num_seqs, num_heads, num_splits, head_dim]`` and its lse ``[num_seqs, num_heads,
-    num_splits]``, both float32, lse in base 2 (empty split: zeros and ``-inf``). Cascade
-    attention merges these with the shared-prefix parts in one pass."""
-    launch = PagedLaunch(query, k_cache, v_cache, scale)
+    """Stage 1 of ``decode_attention`` alone (its query, caches and scale as ``launch``, the
+    other arguments as there): returns each split's partial output ``[num_seqs, num_heads,
+    num_splits, head_dim]`` and its lse ``[num_seqs, num_heads, num_splits]``, both float32, lse
+    in base 2 (empty split: zeros and ``-inf``). Cascade attention merges these with the
+    shared-prefix parts in one pass."""
+    query = launch.query
     num_seqs = query.shape[0]
     if num_splits is None:
         num_splits = default_num_splits(num_seqs, launch.num_kv_heads, max_seq_len, query.device)

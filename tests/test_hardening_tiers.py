@@ -7,12 +7,12 @@ shared tiers of an in-process server."""
 from __future__ import annotations
 
 import asyncio
-import functools
 
 import httpx
 import pytest
 import torch
 import valkey
+from aio import run
 from safetensors.torch import load as st_load
 from servers import MODEL, launch_server
 from test_reliability import inprocess, wait_idle
@@ -33,14 +33,6 @@ def valkey_server(tmp_path):
     server = ValkeyProcess(tmp_path)
     yield server
     server.kill()
-
-
-def run(test):
-    @functools.wraps(test)
-    def wrapper(*args, **kwargs):
-        return asyncio.run(test(*args, **kwargs))
-
-    return wrapper
 
 
 def complete(base: str, prompt: str) -> dict:

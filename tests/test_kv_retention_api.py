@@ -5,26 +5,15 @@ releasing (``DELETE /v1/responses/{id}``, ``POST /v1/kv/release``)."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 
 import pytest
+from aio import run
 from servers import MODEL
 from test_reliability import inprocess, wait_idle
 from tool_schemas import ADD, weather_and_add_tools
 
 from prefixserve.api.server import ServerConfig
-
-
-def run(test):
-    """An async test run to completion on its own event loop."""
-
-    @functools.wraps(test)
-    def wrapper(*args, **kwargs):
-        return asyncio.run(test(*args, **kwargs))
-
-    return wrapper
-
 
 BLOCK = 16
 SYSTEM = "You are a careful agent. Follow the house rules exactly. " * 6
@@ -87,9 +76,7 @@ async def test_streamed_usage_carries_the_same_split():
         assert f'"ephemeral_1h_input_tokens": {hour}' in text
 
 
-@pytest.mark.parametrize(
-    "mark", [{"type": "ephemeral", "ttl": "10m"}, {"type": "persistent"}]
-)
+@pytest.mark.parametrize("mark", [{"type": "ephemeral", "ttl": "10m"}, {"type": "persistent"}])
 @run
 async def test_a_bad_cache_control_is_an_anthropic_400(mark):
     async with inprocess(**ENGINE) as (client, _):
@@ -160,8 +147,13 @@ async def test_a_reply_that_calls_a_tool_keeps_its_kv_until_the_result_comes_bac
 
         history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
                    {"role": "tool", "tool_call_id": call["id"], "content": "5"}]  # fmt: skip
-        body = {"model": MODEL, "messages": history, "tools": TOOLS, "tool_choice": "none",
-                "max_tokens": 2}
+        body = {
+            "model": MODEL,
+            "messages": history,
+            "tools": TOOLS,
+            "tool_choice": "none",
+            "max_tokens": 2,
+        }
         assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
         stats = await retained(engine, 0)  # resumed: the pause ended, its retention released
         assert stats["retention_released"] > 0

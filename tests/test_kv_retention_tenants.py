@@ -4,9 +4,7 @@ what was granted, and identical "24h" requests keep one session (issue 34, items
 
 from __future__ import annotations
 
-import asyncio
-import functools
-
+from aio import run
 from servers import MODEL
 from test_reliability import inprocess, wait_idle
 
@@ -18,14 +16,6 @@ KEYS = {"ka": "team-a", "kb": "team-b"}
 A, B = {"x-api-key": "ka"}, {"x-api-key": "kb"}
 # 64 blocks, half of them the retention budget: 32 blocks
 ENGINE = {"num_kv_blocks": 64, "max_model_len": 1024, "block_size": BLOCK}
-
-
-def run(test):
-    @functools.wraps(test)
-    def wrapper(*args, **kwargs):
-        return asyncio.run(test(*args, **kwargs))
-
-    return wrapper
 
 
 def rules(name: str, repeats: int) -> str:

@@ -33,6 +33,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 from xxhash import xxh3_128_intdigest
@@ -117,10 +118,9 @@ class SegmentReuse:
         max_tokens: int = MAX_SEGMENT_TOKENS,
     ) -> None:
         self.block_size = block_size
-        self.breaks = breaks
         self.max_entries = max_entries
-        self.min_tokens = min_tokens
-        self.max_tokens = max_tokens
+        self._bounds = partial(segment_bounds, breaks=breaks, min_tokens=min_tokens,
+                               max_tokens=max_tokens)  # fmt: skip
         self._index: OrderedDict[int, SegmentEntry] = OrderedDict()
         self.lookups = 0  # segments looked up
         self.hits = 0  # segments found (their K/V reused, a share recomputed)
@@ -147,8 +147,7 @@ class SegmentReuse:
         blocks are gone is dropped at its next lookup, and indexed again from here)."""
         bs = self.block_size
         end = min(end, len(block_hashes) * bs)
-        for a, b in segment_bounds(token_ids, 0, end, self.breaks, self.min_tokens,
-                                   self.max_tokens):  # fmt: skip
+        for a, b in self._bounds(token_ids, 0, end):
             key = self.key(extra_keys, token_ids[a:b])
             if key in self._index:
                 self._index.move_to_end(key)
@@ -171,8 +170,7 @@ class SegmentReuse:
         None). No side effects but the LRU order and stale entries dropped; ``admitted``
         counts a plan that was used."""
         plan = SegmentPlan([])
-        for a, b in segment_bounds(token_ids, start, end, self.breaks, self.min_tokens,
-                                   self.max_tokens):  # fmt: skip
+        for a, b in self._bounds(token_ids, start, end):
             plan.lookups += 1
             key = self.key(extra_keys, token_ids[a:b])
             entry = self._index.get(key)

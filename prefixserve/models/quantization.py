@@ -29,6 +29,7 @@ equals ``gguf.quants.dequantize`` of the same blocks bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 
@@ -43,60 +44,69 @@ def _f16(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float16).float()
 
 
+class _RowTensors:
+    """What the quantized forms share: the tensors named in ``ROW_FIELDS`` (the codes first)
+    have one entry per output row, so a device move, a row selection and a stacking map each of
+    them alike and leave the other fields as they are."""
+
+    ROW_FIELDS: ClassVar[tuple[str, ...]]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(getattr(self, self.ROW_FIELDS[0]).shape)
+
+    def tensors(self) -> dict[str, torch.Tensor | None]:
+        """The per-row tensors by field name (None where a field is absent)."""
+        return {name: getattr(self, name) for name in self.ROW_FIELDS}
+
+    def _map(self, fn):
+        return replace(self, **{k: None if t is None else fn(t) for k, t in self.tensors().items()})
+
+    def to(self, device: torch.device | str):
+        return self._map(lambda t: t.to(device))
+
+    def index_rows(self, index: torch.Tensor):
+        return self._map(lambda t: t[index])
+
+
+def _dequantize_groups(
+    codes: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor | None, group_size: int
+) -> torch.Tensor:
+    n, k = codes.shape
+    w = codes.float().view(n, k // group_size, group_size) * scales[..., None]
+    return (w if shifts is None else w + shifts[..., None]).view(n, k)
+
+
 @dataclass(frozen=True)
-class Int8Weight:
+class Int8Weight(_RowTensors):
     """``qweight`` int8 ``[N, K]``; ``scales`` ``[N, K / group]`` (float16 values, float32)."""
 
+    ROW_FIELDS: ClassVar = ("qweight", "scales")
     qweight: torch.Tensor
     scales: torch.Tensor
     group_size: int = GROUP_SIZE
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.qweight.shape)
-
     def dequantize(self) -> torch.Tensor:
-        n, k = self.qweight.shape
-        q = self.qweight.float().view(n, k // self.group_size, self.group_size)
-        return (q * self.scales[..., None]).view(n, k)
-
-    def to(self, device: torch.device | str) -> Int8Weight:
-        return Int8Weight(self.qweight.to(device), self.scales.to(device), self.group_size)
-
-    def index_rows(self, index: torch.Tensor) -> Int8Weight:
-        return Int8Weight(self.qweight[index], self.scales[index], self.group_size)
+        return _dequantize_groups(self.qweight, self.scales, None, self.group_size)
 
 
 @dataclass(frozen=True)
-class Int4Weight:
+class Int4Weight(_RowTensors):
     """``qvalues`` uint8 ``[N, K]`` in [0, 15]; ``scales``, ``shifts`` ``[N, K / group]``
     (float16 values, float32)."""
 
+    ROW_FIELDS: ClassVar = ("qvalues", "scales", "shifts")
     qvalues: torch.Tensor
     scales: torch.Tensor
     shifts: torch.Tensor
     group_size: int = GROUP_SIZE
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.qvalues.shape)
-
     def dequantize(self) -> torch.Tensor:
-        n, k = self.qvalues.shape
-        q = self.qvalues.float().view(n, k // self.group_size, self.group_size)
-        return (q * self.scales[..., None] + self.shifts[..., None]).view(n, k)
-
-    def to(self, device: torch.device | str) -> Int4Weight:
-        q, s, h = (t.to(device) for t in (self.qvalues, self.scales, self.shifts))
-        return Int4Weight(q, s, h, self.group_size)
-
-    def index_rows(self, index: torch.Tensor) -> Int4Weight:
-        q, s, h = (t[index] for t in (self.qvalues, self.scales, self.shifts))
-        return Int4Weight(q, s, h, self.group_size)
+        return _dequantize_groups(self.qvalues, self.scales, self.shifts, self.group_size)
 
 
 @dataclass(frozen=True)
-class BlockWeight:
+class BlockWeight(_RowTensors):
     """One GGUF type's blocks as the file holds them (the formula in the module docstring).
 
     ``kind``: the GGUF type (``Q5_0``, ``Q5_1``, ``Q4_K``, ``Q5_K``, ``Q6_K``); ``codes`` uint8
@@ -105,6 +115,7 @@ class BlockWeight:
     Weights of one ``kind`` have the same fields set and the same ``bits``, ``offset``, ``span``.
     """
 
+    ROW_FIELDS: ClassVar = ("codes", "scales", "sub", "shifts", "mins")
     kind: str
     codes: torch.Tensor
     bits: int
@@ -115,19 +126,6 @@ class BlockWeight:
     mins: torch.Tensor | None = None
     span: int = 1
     group_size: int = GROUP_SIZE
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape)
-
-    def tensors(self) -> dict[str, torch.Tensor | None]:
-        """The per-row tensors by field name (what ``to`` and ``index_rows`` map)."""
-        return {"codes": self.codes, "scales": self.scales, "sub": self.sub,
-                "shifts": self.shifts, "mins": self.mins}  # fmt: skip
-
-    def _map(self, fn) -> BlockWeight:
-        mapped = {k: None if t is None else fn(t) for k, t in self.tensors().items()}
-        return replace(self, **mapped)
 
     def dequantize(self) -> torch.Tensor:
         q = self.codes.to(torch.int32) - self.offset
@@ -141,12 +139,6 @@ class BlockWeight:
         if self.mins is not None:
             shift = shift * self.mins.float()
         return w + shift.repeat_interleave(self.group_size, dim=1)
-
-    def to(self, device: torch.device | str) -> BlockWeight:
-        return self._map(lambda t: t.to(device))
-
-    def index_rows(self, index: torch.Tensor) -> BlockWeight:
-        return self._map(lambda t: t[index])
 
 
 QuantizedWeight = Int8Weight | Int4Weight | BlockWeight
@@ -209,19 +201,6 @@ def concat_rows(parts: list[QuantizedWeight | None]) -> QuantizedWeight | None:
         for p in parts
     ):
         return None
-    if isinstance(first, BlockWeight):
-        stacked = {k: None if t is None else torch.cat([p.tensors()[k] for p in parts])
-                   for k, t in first.tensors().items()}  # fmt: skip
-        return replace(first, **stacked)
-    if isinstance(first, Int8Weight):
-        return Int8Weight(
-            torch.cat([p.qweight for p in parts]),
-            torch.cat([p.scales for p in parts]),
-            first.group_size,
-        )
-    return Int4Weight(
-        torch.cat([p.qvalues for p in parts]),
-        torch.cat([p.scales for p in parts]),
-        torch.cat([p.shifts for p in parts]),
-        first.group_size,
-    )
+    stacked = {k: None if t is None else torch.cat([p.tensors()[k] for p in parts])
+               for k, t in first.tensors().items()}  # fmt: skip
+    return replace(first, **stacked)
