@@ -284,7 +284,11 @@ def test_a_detokenizer_failure_fails_only_its_request(tiny_llm, monkeypatch):
     assert "output processing" in finals["bad"].error
 
 
-def test_nan_logits_fail_only_their_request(tiny_llm, monkeypatch):
+@pytest.mark.parametrize("value, where", [(float("nan"), slice(None)), (float("nan"), 5),
+                                          (float("inf"), 5), (float("-inf"), 5)])  # fmt: skip
+def test_nan_logits_fail_only_their_request(tiny_llm, monkeypatch, value, where):
+    """A whole row of NaN, or one NaN or infinite logit in it (the check reads each row's sum)."""
+
     def inject(engine):
         execute = engine.runner.execute
 
@@ -293,7 +297,7 @@ def test_nan_logits_fail_only_their_request(tiny_llm, monkeypatch):
             logits = result.logits.clone()
             for i, sched in enumerate(result.samplers):
                 if sched.request.request_id == "bad":
-                    logits[i] = float("nan")
+                    logits[i, where] = value
             return result._replace(logits=logits)
 
         monkeypatch.setattr(engine.runner, "execute", poisoned)

@@ -131,11 +131,12 @@ class Sampler:
 
     @staticmethod
     def _with_logprobs(logits: torch.Tensor, sampled: torch.Tensor, k: int | None) -> SamplerOutput:
-        """Logprobs from the raw logits: ``logit - logsumexp``, without a full log_softmax."""
-        lse = logits.logsumexp(dim=-1, keepdim=True)
-        sampled_logprobs = (logits.gather(1, sampled.unsqueeze(1)) - lse).squeeze(1)
+        """Logprobs from the raw logits, by one ``log_softmax`` (on CPU one fused pass, faster
+        than ``logsumexp`` and a subtraction); the top-k are chosen on the logits themselves."""
+        logprobs = logits.log_softmax(dim=-1)
+        sampled_logprobs = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
         topk_ids = topk_logprobs = None
         if k is not None:
-            top_values, topk_ids = logits.topk(k, dim=-1)
-            topk_logprobs = top_values - lse
+            topk_ids = logits.topk(k, dim=-1).indices
+            topk_logprobs = logprobs.gather(1, topk_ids)
         return SamplerOutput(sampled, sampled_logprobs, topk_ids, topk_logprobs)
