@@ -236,8 +236,8 @@ class EngineClient(Protocol):
     tokenizer: Any
     eos_token_ids: frozenset[int]
     dead: BaseException | None  # set once the engine can serve nothing more
-    # whether a session can be named or released after its request (not across replicas: the
-    # ingress does not know which replica holds it)
+    # whether a session can be named or released after its request (across replicas: where the
+    # ingress knows the replicas, to ask each of them)
     names_kv_sessions: bool = True
 
     def start(self) -> None:

@@ -258,6 +258,44 @@ def test_a_responses_chain_continues_on_the_replica_that_holds_it(prefix_client)
     assert moved[-1] == 4 and sum(moved) == 4  # all four requests on one replica
 
 
+def retained_blocks(client: httpx.Client) -> int:
+    return sum(r["retained_blocks"] for r in replicas(client))
+
+
+def test_retained_kv_is_named_and_released_on_the_replica_that_holds_it(prefix_client) -> None:
+    """A reply that ends in a tool call keeps its KV under the name the ingress gives it
+    afterwards (a ``SessionCall`` to each replica), and the turn with the call's result ends the
+    pause by that name; ``prompt_cache_retention`` keeps a prompt, and releasing it by the
+    completion's id reaches the replica that holds it."""
+    time.sleep(1.5)  # earlier tests' tool-call pauses, retained a moment after their replies,
+    before = retained_blocks(prefix_client)  # reported (every 0.5 s): they stay retained
+    tools = [{"type": "function", "function": {"name": "step", "parameters": {"type": "object",
+              "properties": {"n": {"type": "integer", "enum": [1, 2]}}, "required": ["n"]}}}]  # fmt: skip
+    call = prefix_client.post("/v1/chat/completions", json=chat(
+        system_prompt(3000), "go", max_tokens=60, tools=tools, tool_choice="required",
+        parallel_tool_calls=False))  # fmt: skip
+    assert call.status_code == 200, call.text
+    assert call.json()["choices"][0]["finish_reason"] == "tool_calls"
+    until(lambda: retained_blocks(prefix_client) > before, 30, "the tool-call pause's KV")
+    # the result resumes the pause by the name the ingress gave it: its retention is released
+    message = call.json()["choices"][0]["message"]
+    history = [*chat(system_prompt(3000), "go")["messages"], message,
+               {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "5"}]  # fmt: skip
+    result = prefix_client.post("/v1/chat/completions", json={
+        **chat("", "", max_tokens=2), "messages": history, "tools": tools, "tool_choice": "none"})  # fmt: skip
+    assert result.status_code == 200, result.text
+    until(lambda: retained_blocks(prefix_client) == before, 30, "the resumed pause's release")
+
+    body = chat(system_prompt(3001), "keep this", prompt_cache_retention="24h")
+    kept = prefix_client.post("/v1/chat/completions", json=body)
+    assert kept.status_code == 200, kept.text
+    until(lambda: retained_blocks(prefix_client) > before, 30, "the prompt's retention")
+    released = prefix_client.post("/v1/kv/release", json={"id": kept.json()["id"]})
+    assert released.status_code == 200, released.text
+    assert released.json()["released_blocks"] > 0
+    until(lambda: retained_blocks(prefix_client) == before, 30, "the release")
+
+
 def test_a_burst_of_one_new_prefix_lands_on_one_replica(prefix_client: httpx.Client) -> None:
     before = routed(prefix_client)
     system = system_prompt(1000)

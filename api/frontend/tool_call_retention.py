@@ -22,7 +22,8 @@ retention counts against the tenant's share of the budget (``Tenant.owner``, ``k
 Only a request's first reply (choice 0) is retained. Naming and releasing are fire-and-forget:
 a reply is never delayed by them, and a failure is logged, not raised (retention is a
 preference, never a correctness matter). Off with ``enabled=False``
-(``--no-retain-tool-call-kv``), and across replicas (``EngineClient.names_kv_sessions``).
+(``--no-retain-tool-call-kv``), and where the engine client cannot name sessions
+(``EngineClient.names_kv_sessions``).
 """
 
 from __future__ import annotations

@@ -60,6 +60,11 @@ class ClusterView:
             return {}
         return {k: r for k, r in sorted(router.replica_reports().items()) if r is not None}
 
+    def replica_ids(self) -> list[str]:
+        """The ids of the replicas running now (none before the router exists)."""
+        router = self.router()
+        return [] if router is None else sorted(router.replica_reports())
+
     def decisions(self) -> dict[str, dict[str, Any]]:
         router = self.router()
         return router.decisions() if router is not None else {}

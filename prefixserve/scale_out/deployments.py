@@ -14,6 +14,8 @@
 
 Each replica streams ``ACCEPTED`` and then the request's outputs (``protocol.py``); closing the
 stream (client gone, timeout, drain) cancels the replica's generator, which aborts the request.
+Naming or releasing a retention session goes to every replica (``SessionCall``, pinned by the
+router), since any of them may hold it.
 """
 
 from __future__ import annotations
@@ -37,7 +39,13 @@ from prefixserve.core.errors import InvalidArgumentError, PrefixServeError, requ
 from prefixserve.engine.preprocessor import StepLimits
 from prefixserve.kv.tiers.secret import new_secret
 from prefixserve.scale_out.cluster import ClusterView, cluster_router
-from prefixserve.scale_out.protocol import ACCEPTED, EngineRequest, KVEventsEndpoint, ReplicaReport
+from prefixserve.scale_out.protocol import (
+    ACCEPTED,
+    EngineRequest,
+    KVEventsEndpoint,
+    ReplicaReport,
+    SessionCall,
+)
 from prefixserve.scale_out.ray_private import request_router_of
 from prefixserve.scale_out.ray_router import request_router_config
 from prefixserve.scale_out.remote_engine import EngineInfo, RemoteEngine
@@ -142,6 +150,14 @@ class EngineReplica:
             if not stream.finished:
                 self.engine.abort(request.request_id)
 
+    async def kv_session(self, call: SessionCall) -> int:
+        """Release or rename a retention session of this replica's engine (``SessionCall``);
+        the blocks released."""
+        if call.op == "release":
+            return await self.engine.release_kv(call.session)
+        await self.engine.rename_kv(call.session, call.name)
+        return 0
+
     def describe(self) -> EngineInfo:
         return self.info
 
@@ -184,9 +200,10 @@ class Ingress:
         model = engine_kwargs.get("tokenizer") or engine_kwargs.get("model")
         tokenizer = load_tokenizer(model, revision=engine_kwargs.get("revision"))
         self.config = server_config
-        self.engine = RemoteEngine(replicas, tokenizer, info, server_config.max_waiting_requests)
         names = server_config.served_model_names or [info.model_name]
         self.view = ClusterView(lambda: request_router_of(replicas), names[0], scale.router)
+        self.engine = RemoteEngine(replicas, tokenizer, info, server_config.max_waiting_requests,
+                                   replica_ids=self.view.replica_ids)  # fmt: skip
         self.fastapi_app = None
 
     def __serve_build_asgi_app__(self):

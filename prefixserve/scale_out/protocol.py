@@ -5,6 +5,7 @@
     ingress ── EngineRequest ──▶ router (reads it in the ingress process) ──▶ replica.generate
     ingress ◀── ACCEPTED, then RequestOutput ... (the last one finished) ◀──┘
     replica.record_routing_stats() ── ReplicaReport (as a dict) ──▶ Serve ──▶ router, every period
+    ingress ── SessionCall per replica ──▶ router (pins it to its replica) ──▶ replica.kv_session
 
 A replica answers ``generate`` with ``ACCEPTED`` once its engine took the request, then the
 request's ``RequestOutput`` s in its output kind (DELTA when streamed: each only what is new)
@@ -59,6 +60,20 @@ class EngineRequest:
         """Tokens the request may generate in all (``max_tokens`` per sequence), or 0 if unset."""
         width = getattr(self.params, "beam_width", None) or getattr(self.params, "n", 1)
         return (self.params.max_tokens or 0) * width
+
+
+@dataclass(frozen=True, slots=True)
+class SessionCall:
+    """Release (``op`` "release") or rename to ``name`` (``op`` "rename") the retention session
+    ``session`` on replica ``replica`` (its id); the router sends it to that replica only. A
+    replica that holds no such session does nothing, so the ingress sends one to every replica
+    rather than track which holds what. ``kv_session`` answers the blocks released (0 for a
+    rename)."""
+
+    replica: str
+    op: str
+    session: str
+    name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

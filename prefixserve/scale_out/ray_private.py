@@ -12,12 +12,17 @@ Ray's public API and may move in any release, so a Ray upgrade starts by checkin
 - ``request_router_of``: the request router a ``DeploymentHandle`` built in this process. Ray
   builds it from the pickled class and kwargs of ``RequestRouterConfig``, so no constructor
   argument of ours reaches it; the handle that owns it is the one thing the ingress holds.
+- ``own_request_id``: Serve's request context (``ray.serve.context``), emptied so that a call
+  gets an internal request id of its own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+from ray.serve import context as serve_context
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.handle import DeploymentHandle
 
@@ -40,4 +45,22 @@ def request_router_of(handle: DeploymentHandle) -> Any | None:
     return router._asyncio_router._request_router
 
 
-__all__ = ["PowerOfTwoChoicesRequestRouter", "prefix_cache_affinity_router", "request_router_of"]
+@contextmanager
+def own_request_id() -> Iterator[None]:
+    """Handle calls made inside get an internal request id of their own, not the id of the
+    request being served. Serve gives a replica chosen for one pending call to the pending call
+    with the same id (``RequestRouter._fulfill_next_pending_request``), so two calls of one
+    request in flight at once, each pinned to its own replica, could otherwise swap replicas."""
+    token = serve_context._serve_request_context.set(serve_context._RequestContext())
+    try:
+        yield
+    finally:
+        serve_context._serve_request_context.reset(token)
+
+
+__all__ = [
+    "PowerOfTwoChoicesRequestRouter",
+    "own_request_id",
+    "prefix_cache_affinity_router",
+    "request_router_of",
+]

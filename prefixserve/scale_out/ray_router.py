@@ -46,7 +46,8 @@ logger = logging.getLogger(__name__)
 class PrefixAwareRequestRouter(ReportingRouter, RequestRouter):
     """Routes by the exact block hashes each replica holds (its KV events), against its load.
 
-    Requests that are not an ``EngineRequest`` (the replicas' control calls) go to any replica.
+    A ``SessionCall`` goes to its replica (``ReportingRouter.pinned``); other requests that are
+    not an ``EngineRequest`` (the replicas' control calls) go to any replica.
     """
 
     def initialize_state(
@@ -104,6 +105,9 @@ class PrefixAwareRequestRouter(ReportingRouter, RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        pin = self.pinned(candidate_replicas, pending_request)
+        if pin is not None:
+            return pin
         request = engine_request(pending_request)
         if request is None:
             return [candidate_replicas]

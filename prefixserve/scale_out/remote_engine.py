@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -35,11 +35,12 @@ from prefixserve.api.frontend.protocol import APIError
 from prefixserve.core.outputs import RequestOutput
 from prefixserve.core.sampling_params import BeamSearchParams, SamplingParams
 from prefixserve.engine.preprocessor import PreparedRequest, RequestPreprocessor, StepLimits
-from prefixserve.scale_out.protocol import ACCEPTED, EngineRequest
+from prefixserve.scale_out.protocol import ACCEPTED, EngineRequest, SessionCall
 
 logger = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 4
+SESSION_CALL_TIMEOUT_S = 10.0
 _RETRY_BACKOFF_S = 0.2
 
 
@@ -68,6 +69,8 @@ class RemoteEngine(EngineClient):
     ``handle`` is the engine deployment's handle; ``tokenizer`` the ingress's own (it tokenizes
     and renders chat templates once, so the router and the engine hash the same tokens).
     ``max_waiting`` bounds the requests sent but not yet accepted by any replica.
+    ``replica_ids`` lists the running replicas (the ingress's router view): retention sessions
+    are named and released on each of them; without it, they cannot be (a 501).
     """
 
     def __init__(
@@ -77,8 +80,11 @@ class RemoteEngine(EngineClient):
         info: EngineInfo,
         max_waiting: int | None = None,
         max_attempts: int = MAX_ATTEMPTS,
+        replica_ids: Callable[[], list[str]] | None = None,
     ) -> None:
         self._generate = handle.options(method_name="generate", stream=True)
+        self._kv_session = handle.options(method_name="kv_session")
+        self._replica_ids = replica_ids
         self.tokenizer = tokenizer
         self.info = info
         self.model_name = info.model_name
@@ -169,18 +175,42 @@ class RemoteEngine(EngineClient):
             self._fail(stream, error)
 
     # ---- retention sessions ---------------------------------------------------------------------
-    # A request's own retention (cache_control, prompt_cache_retention, kv_resume) travels in its
-    # params to the replica that serves it. Naming or releasing a session later needs the replica
-    # that holds it, which the ingress does not track: not available across replicas yet (so the
-    # fronts add no tool-call pause, ``names_kv_sessions``).
+    # A request's own retention (cache_control, prompt_cache_retention, the tool-call pause,
+    # kv_resume) travels in its params to the replica that serves it. Naming or releasing a
+    # session later goes to every running replica (``SessionCall``, pinned by the router): the
+    # one that holds it acts, the others hold no such session and do nothing.
 
-    names_kv_sessions = False
+    @property
+    def names_kv_sessions(self) -> bool:
+        return self._replica_ids is not None
 
     async def release_kv(self, session: str) -> int:
-        raise APIError("releasing retained KV is not available with --replicas yet", 501)
+        return sum(await self._on_every_replica("release", session))
 
     async def rename_kv(self, session: str, name: str) -> None:
-        raise APIError("naming retained KV is not available with --replicas yet", 501)
+        await self._on_every_replica("rename", session, name)
+
+    async def _on_every_replica(self, op: str, session: str, name: str | None = None) -> list[int]:
+        """What each running replica answered a ``SessionCall``; a replica that did not answer
+        within ``SESSION_CALL_TIMEOUT_S`` (it died or restarted) answers nothing: the sessions
+        it held went with it, or run out their TTL."""
+        if self._replica_ids is None:
+            raise APIError("naming or releasing retained KV needs the replicas' ids", 501)
+
+        from prefixserve.scale_out.ray_private import own_request_id  # Ray: only when called
+
+        async def call(replica: str) -> int:
+            with own_request_id():  # each call its own id, or Serve may swap their replicas
+                response = self._kv_session.remote(SessionCall(replica, op, session, name))
+            try:
+                return await asyncio.wait_for(_awaited(response), SESSION_CALL_TIMEOUT_S)
+            except Exception as exc:  # the replica, or the way to it, failed
+                response.cancel()
+                logger.warning("%s of KV session %r on replica %s failed: %s", op, session,
+                               replica, _short(exc))  # fmt: skip
+                return 0
+
+        return list(await asyncio.gather(*(call(r) for r in self._replica_ids())))
 
     # ---- one request ---------------------------------------------------------------------------
 
@@ -242,6 +272,11 @@ class RemoteEngine(EngineClient):
             stream.queue.put_nowait(error)
         else:
             stream.settle_accepted(error)
+
+
+async def _awaited(response: Any) -> Any:
+    """A Serve ``DeploymentResponse`` as a coroutine (what ``asyncio.wait_for`` takes)."""
+    return await response
 
 
 def _short(exc: BaseException) -> str:

@@ -1,4 +1,5 @@
-"""The part every engine request router shares: replica reports and per-replica request counts.
+"""The part every engine request router shares: replica reports, per-replica request counts, and
+``SessionCall`` s pinned to their replica.
 
 The ingress reads a router through ``ClusterView`` (its deployment handle's router, see
 ``ray_private.request_router_of``) to serve the cluster's /stats and /metrics without calling a
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from prefixserve.scale_out.protocol import EngineRequest, ReplicaReport
+from prefixserve.scale_out.protocol import EngineRequest, ReplicaReport, SessionCall
 
 
 def engine_request(pending_request: Any | None) -> EngineRequest | None:
@@ -34,6 +35,31 @@ class ReportingRouter:
     def initialize_state(self, **kwargs: Any) -> None:
         self._routed: dict[str, Counter[str]] = {}
         super().initialize_state(**kwargs)
+
+    async def choose_replicas(
+        self, candidate_replicas: list[Any], pending_request: Any | None = None
+    ) -> list[list[Any]]:
+        """A ``SessionCall`` to its replica (``pinned``); anything else as the router decides."""
+        pin = self.pinned(candidate_replicas, pending_request)
+        if pin is not None:
+            return pin
+        return await super().choose_replicas(candidate_replicas, pending_request)
+
+    def pinned(self, candidates: list[Any], pending_request: Any | None) -> list[list[Any]] | None:
+        """Where a ``SessionCall`` goes: its replica alone; none while that replica is running
+        but not a candidate (busy: Serve asks again); any candidate once it has left the
+        deployment (its sessions went with it, and the call is a no-op elsewhere). None for any
+        other request."""
+        if pending_request is None or not pending_request.args:
+            return None
+        call = pending_request.args[0]
+        if not isinstance(call, SessionCall):
+            return None
+        chosen = [r for r in candidates if r.replica_id.unique_id == call.replica]
+        if chosen:
+            return [chosen]
+        running = {rid.unique_id for rid in self.curr_replicas}
+        return [] if call.replica in running else [candidates]
 
     def replica_reports(self) -> dict[str, ReplicaReport | None]:
         """The latest report of every running replica, by replica id (None before its first)."""

@@ -103,7 +103,7 @@ class ResponsesServing(TemplateServing):
 
     async def delete(self, tenant: Tenant, response_id: str, cache_salt: str | None) -> dict:
         """Delete a stored response and release what it retained (``prompt_cache_retention``;
-        where the engine cannot release, across replicas, the retention runs out its TTL)."""
+        where the engine client cannot release, the retention runs out its TTL)."""
         namespace = tenant.namespace(cache_salt)
         if not await self.store.delete(response_id, namespace):
             raise APIError(f"Response with id '{response_id}' not found.", 404)
