@@ -96,9 +96,6 @@ class RequestPreprocessor:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.max_num_seqs = limits.max_num_seqs
-        self.max_num_batched_tokens = limits.max_num_batched_tokens
-        self.enable_chunked_prefill = limits.enable_chunked_prefill
         self.limits = limits
         self.structured_outputs = structured_outputs
 
@@ -158,10 +155,11 @@ class RequestPreprocessor:
             raise InvalidArgumentError(
                 f"prompt: token id {bad} is outside the vocabulary [0, {vocab})", "prompt"
             )
-        if not self.enable_chunked_prefill and len(token_ids) > self.max_num_batched_tokens:
+        limits = self.limits
+        if not limits.enable_chunked_prefill and len(token_ids) > limits.max_num_batched_tokens:
             raise PromptTooLongError(
                 f"prompt: {len(token_ids)} tokens exceed max_num_batched_tokens="
-                f"{self.max_num_batched_tokens} with chunked prefill disabled",
+                f"{limits.max_num_batched_tokens} with chunked prefill disabled",
                 "prompt",
             )
         for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
@@ -173,10 +171,11 @@ class RequestPreprocessor:
                 )
 
     def _check_width(self, width: int) -> None:
-        if width > min(self.max_num_seqs, self.max_num_batched_tokens):
+        limits = self.limits
+        if width > min(limits.max_num_seqs, limits.max_num_batched_tokens):
             raise InvalidArgumentError(
                 f"n / beam_width: {width} sequences cannot run together with max_num_seqs="
-                f"{self.max_num_seqs} and max_num_batched_tokens={self.max_num_batched_tokens}",
+                f"{limits.max_num_seqs} and max_num_batched_tokens={limits.max_num_batched_tokens}",
                 "n",
             )
 
