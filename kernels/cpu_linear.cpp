@@ -30,6 +30,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_rows.h"
+
 namespace {
 
 constexpr int64_t kLanes = 16;
@@ -192,19 +194,6 @@ inline void grouped_tile(const float* x, int64_t ldx, const Rows& w, int64_t K, 
   for (int i = 0; i < MT; ++i) epilogue(i, acc[i]);
 }
 
-// Calls ``f(std::integral_constant<int, mt>{})`` for a runtime mt in [1, kMaxTile].
-template <class F>
-inline void with_tile(int mt, F f) {
-  switch (mt) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    default: return f(std::integral_constant<int, 6>{});
-  }
-}
-
 struct Problem {
   const float* x;
   int64_t M, K, N;
@@ -276,7 +265,7 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optio
       const f32x16 bv = p.bias_of(b);
       for (int64_t m0 = 0; m0 < p.M; m0 += kMaxTile) {
         float* out = p.out + m0 * n + b * kLanes;
-        with_tile(static_cast<int>(std::min(kMaxTile, p.M - m0)), [&](auto MT) {
+        with_rows<kMaxTile>(static_cast<int>(std::min(kMaxTile, p.M - m0)), [&](auto MT) {
           tile<MT>(p.x + m0 * p.K, p.K, rows, p.K,
                    [&](int i, f32x16 a) { store(out + i * n, a + bv, p.width(b)); });
         });
@@ -329,7 +318,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
         const _Float16* sb = sp + b * groups * kLanes;
         const f32x16 bv = p.bias_of(b);
         float* out = p.out + m0 * n + b * kLanes;
-        with_tile(mt, [&](auto MT) {
+        with_rows<kMaxTile>(mt, [&](auto MT) {
           grouped_tile<MT>(
               p.x + m0 * K, K, rows, K, group,
               [&](int, int64_t g, const f32x16& part, f32x16& acc) {
@@ -375,7 +364,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
         const f32x16 bv = p.bias_of(b);
         const float* xs = xsum.data() + m0 * groups;
         float* out = p.out + m0 * n + b * kLanes;
-        with_tile(mt, [&](auto MT) {
+        with_rows<kMaxTile>(mt, [&](auto MT) {
           grouped_tile<MT>(
               p.x + m0 * K, K, rows, K, group,
               [&](int i, int64_t g, const f32x16& part, f32x16& acc) {
