@@ -188,13 +188,13 @@ struct Int4Rows {  // byte (kk, lane): k = 2kk low nibble, 2kk + 1 high
   }
 };
 
-// The float32 tile: rows [0, MT) of x (row stride ldx) times NV vectors of output columns, each
+// The float32 tile: MT rows of x, given k-major (``xt[k * MT + i]`` is row i's x[k]: one pointer
+// for every row, where MT row pointers would spill), times NV vectors of output columns, each
 // vector's weights read at ``col[j] + k * 16``; one accumulator per row and vector, all held in
 // registers for the whole k loop, k ascending, so each weight vector loaded serves MT rows and
 // each x[i, k] broadcast serves NV vectors. ``epilogue(i, j, acc)`` stores row i's vector j.
 template <int MT, int NV, class Epilogue>
-inline void float_tile(const float* x, int64_t ldx, const float* const* col, int64_t K,
-                       Epilogue epilogue) {
+inline void float_tile(const float* xt, const float* const* col, int64_t K, Epilogue epilogue) {
   fvec acc[MT][NV] = {};
   for (int64_t k = 0; k < K; ++k) {
     fvec wk[NV];
@@ -205,7 +205,7 @@ inline void float_tile(const float* x, int64_t ldx, const float* const* col, int
     }
 #pragma GCC unroll 16
     for (int i = 0; i < MT; ++i) {
-      const fvec xv = broadcast_v(x + i * ldx + k);
+      const fvec xv = broadcast_v(xt + k * MT + i);
 #pragma GCC unroll 4
       for (int j = 0; j < NV; ++j) acc[i][j] = fma_v(wk[j], xv, acc[i][j]);
     }
@@ -308,6 +308,11 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optio
   const Problem p = problem(x, out, bias, n);
   const float* wp = w.data_ptr<float>();
   const std::vector<int64_t> rows = row_tiles(p.M);
+  // x, each row tile k-major (the tile of rows [m0, m0 + mt) at xt + m0 * K): exact copies
+  std::vector<float> xt(p.M * p.K);
+  for (int64_t m0 = 0, t = 0; m0 < p.M; m0 += rows[t++])
+    for (int64_t i = 0; i < rows[t]; ++i)
+      for (int64_t k = 0; k < p.K; ++k) xt[m0 * p.K + k * rows[t] + i] = p.x[(m0 + i) * p.K + k];
   // Output columns [0, NB * 16) in units of one tile's vectors (the last unit may hold fewer),
   // split among torch's threads; each unit's weights are read from memory once, then from cache
   // while its row tiles take their turns.
@@ -338,9 +343,9 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optio
         };
         with_rows<kTileRows>(static_cast<int>(mt), [&](auto MT) {
           if (nv == kTileVecs)
-            float_tile<MT, kTileVecs>(p.x + m0 * p.K, p.K, col, p.K, epilogue);
+            float_tile<MT, kTileVecs>(xt.data() + m0 * p.K, col, p.K, epilogue);
           else
-            float_tile<MT, 1>(p.x + m0 * p.K, p.K, col, p.K, epilogue);
+            float_tile<MT, 1>(xt.data() + m0 * p.K, col, p.K, epilogue);
         });
         m0 += mt;
       }
