@@ -258,7 +258,7 @@ void run_f32(const Blocks& w, const Problem& p, const float* xp, int64_t bits) {
       for (int64_t b = b0; b < b1; ++b) {
         unpack<decltype(E)::value>(w, b, v.data());
         for (int64_t m0 = 0; m0 < p.M; m0 += kMaxRows)
-          with_rows(static_cast<int>(std::min<int64_t>(kMaxRows, p.M - m0)), [&](auto MT) {
+          with_rows<kMaxRows>(static_cast<int>(std::min<int64_t>(kMaxRows, p.M - m0)), [&](auto MT) {
             block_f32<decltype(MT)::value>(w, v.data(), xp, xsum.data(), p, b, m0);
           });
       }

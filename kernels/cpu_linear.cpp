@@ -10,13 +10,16 @@
 // A step of a few rows is bound by reading W once. The block layout streams it: per k one
 // 64-byte line of weights is multiplied by each row's x[k] into that row's 16 accumulators, so
 // each weight byte is read from memory once per call whatever M is (a block stays in L1/L2 while
-// the rows of x take their turns, six at a time in registers).
+// the row tiles take their turns). A tile holds its rows' accumulators in registers, so each
+// weight line loaded serves every row of the tile: float32, up to 12 rows times 2 blocks on
+// AVX-512 (6 rows times 1 block on AVX2); int8 / int4, up to 6 rows times 1 block.
 //
 // Invariant (batch invariance): output (m, n) is computed by the same sequence of floating-point
-// operations whatever M is and wherever row m sits in x: k ascending into one accumulator (per
-// group for int8/int4, each group's sum then scaled, and for int4 shifted, into the total), then
-// the bias. So a row's result is bit-identical alone or in any batch, and across the direct and
-// the unpacked paths.
+// operations whatever M is, wherever row m sits in x, whichever tile and thread compute it and
+// whatever the vector width: k ascending into one accumulator (per group for int8/int4, each
+// group's sum then scaled, and for int4 shifted, into the total), then the bias. So a row's
+// result is bit-identical alone or in any batch, on any instruction set, and across the direct
+// and the unpacked paths.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -30,10 +33,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_rows.h"
+
 namespace {
 
 constexpr int64_t kLanes = 16;
-constexpr int64_t kMaxTile = 6;  // rows of x held in registers at once (12 ymm on AVX2)
+constexpr int64_t kMaxTile = 6;  // int8 / int4: rows of x held in registers at once (12 ymm)
 
 // 16 lanes as two 8-float vectors: the native width of AVX2 (GCC lowers wider generic vectors
 // through the stack there); two NEON registers each elsewhere.
@@ -116,6 +121,41 @@ inline void f32x16::fma(const f32x16& a, const f32x16& b) {
   hi = fma8(a.hi, b.hi, hi);
 }
 
+// The float32 tile's vector: one block of 16 lanes in a zmm register on AVX-512, half a block in a
+// ymm register elsewhere. Its fma is one rounding per lane whatever the width, so both widths give
+// the same bits.
+#if defined(__AVX512F__)
+typedef float fvec __attribute__((vector_size(64)));
+typedef float fvec_u __attribute__((vector_size(64), aligned(4)));
+inline fvec fma_v(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
+inline fvec broadcast_v(const float* s) { return _mm512_set1_ps(*s); }
+constexpr int64_t kVec = 16;
+constexpr int kTileRows = 12;  // 24 accumulators, 2 weight vectors and a broadcast: 27 of 32 zmm
+#else
+typedef f32x8 fvec;
+typedef f32x8u fvec_u;
+inline fvec fma_v(fvec a, fvec b, fvec c) { return fma8(a, b, c); }
+inline fvec broadcast_v(const float* s) { return broadcast(s); }
+constexpr int64_t kVec = 8;
+constexpr int kTileRows = 6;  // 12 accumulators, 2 weight vectors and a broadcast: 15 of 16 ymm
+#endif
+// How far ahead of its loads the float32 tile asks for weight lines (4 KiB, within the column it
+// reads or into the next): at a few rows a tile spends longer on each line than the hardware
+// prefetcher allows for, and the one-row rate held at eight rows only with it.
+constexpr int64_t kPrefetchFloats = 1024;
+constexpr int kTileVecs = 2;  // output vectors per float32 tile: 2 blocks on AVX-512, 1 elsewhere
+
+// The row tiles of a float32 call of M rows: as few as kTileRows allows, their sizes within one of
+// each other (M = 13 on AVX-512: 7 + 6, not 12 + 1, whose one-row tile would wait on its fma
+// latency). Any split gives the same bits: a tile's size changes which rows share a weight load,
+// never an output's operations.
+std::vector<int64_t> row_tiles(int64_t M) {
+  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
+  std::vector<int64_t> rows;
+  for (int64_t t = 0; t < tiles; ++t) rows.push_back(M / tiles + (t < M % tiles ? 1 : 0));
+  return rows;
+}
+
 // Writes lanes [0, width) of v to out (width < 16 only in a padded last block).
 inline void store(float* out, f32x16 v, int64_t width) {
   if (width == kLanes) return store_full(out, v);
@@ -148,27 +188,39 @@ struct Int4Rows {  // byte (kk, lane): k = 2kk low nibble, 2kk + 1 high
   }
 };
 
-// One tile: rows [0, MT) of x (row stride ldx) times one block of W, each row's 16 accumulators
-// held in registers for the whole k loop (plain vector arrays: GCC keeps them in registers where
-// it would spill a struct), k ascending; ``epilogue(i, acc)`` stores row i.
-template <int MT, class Rows, class Epilogue>
-inline void tile(const float* x, int64_t ldx, const Rows& w, int64_t K, Epilogue epilogue) {
-  f32x8 lo[MT] = {}, hi[MT] = {};
+// The float32 tile: MT rows of x, given k-major (``xt[k * MT + i]`` is row i's x[k]: one pointer
+// for every row, where MT row pointers would spill), times NV vectors of output columns, each
+// vector's weights read at ``col[j] + k * 16``; one accumulator per row and vector, all held in
+// registers for the whole k loop, k ascending, so each weight vector loaded serves MT rows and
+// each x[i, k] broadcast serves NV vectors. ``epilogue(i, j, acc)`` stores row i's vector j.
+template <int MT, int NV, class Epilogue>
+inline void float_tile(const float* xt, const float* const* col, int64_t K, Epilogue epilogue) {
+  fvec acc[MT][NV] = {};
   for (int64_t k = 0; k < K; ++k) {
-    const f32x16 wk = w.row(k);
-#pragma GCC unroll 6
+    fvec wk[NV];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) {
+      wk[j] = *reinterpret_cast<const fvec_u*>(col[j] + k * kLanes);
+      __builtin_prefetch(col[j] + k * kLanes + kPrefetchFloats);
+    }
+#pragma GCC unroll 16
     for (int i = 0; i < MT; ++i) {
-      const f32x8 xv = broadcast(x + i * ldx + k);
-      lo[i] = fma8(wk.lo, xv, lo[i]);
-      hi[i] = fma8(wk.hi, xv, hi[i]);
+      const fvec xv = broadcast_v(xt + k * MT + i);
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) acc[i][j] = fma_v(wk[j], xv, acc[i][j]);
     }
   }
-#pragma GCC unroll 6
-  for (int i = 0; i < MT; ++i) epilogue(i, f32x16(lo[i], hi[i]));
+#pragma GCC unroll 16
+  for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) epilogue(i, j, acc[i][j]);
 }
 
-// As ``tile``, restarting the sums every ``group`` columns (k still ascending, two at a time);
-// ``combine(i, g, part, acc)`` adds group g's partial sums to row i's accumulators.
+// One tile of the int8 / int4 kernels: rows [0, MT) of x (row stride ldx) times one block of W,
+// each row's 16 accumulators held in registers (plain vector arrays: GCC keeps them in registers
+// where it would spill a struct), the sums restarted every ``group`` columns, k ascending, two at
+// a time; ``combine(i, g, part, acc)`` adds group g's partial sums to row i's accumulators,
+// ``epilogue(i, acc)`` stores row i.
 template <int MT, class Rows, class Combine, class Epilogue>
 inline void grouped_tile(const float* x, int64_t ldx, const Rows& w, int64_t K, int64_t group,
                          Combine combine, Epilogue epilogue) {
@@ -190,19 +242,6 @@ inline void grouped_tile(const float* x, int64_t ldx, const Rows& w, int64_t K, 
   }
 #pragma GCC unroll 6
   for (int i = 0; i < MT; ++i) epilogue(i, acc[i]);
-}
-
-// Calls ``f(std::integral_constant<int, mt>{})`` for a runtime mt in [1, kMaxTile].
-template <class F>
-inline void with_tile(int mt, F f) {
-  switch (mt) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    default: return f(std::integral_constant<int, 6>{});
-  }
 }
 
 struct Problem {
@@ -268,23 +307,55 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optio
   auto out = at::empty({x.size(0), n}, x.options());
   const Problem p = problem(x, out, bias, n);
   const float* wp = w.data_ptr<float>();
-  // float blocks are read in place at any M (no unpacking)
-  at::parallel_for(0, w.size(0), std::max<int64_t>(1, (int64_t{1} << 16) / (p.K * kLanes)),
-                   [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const FloatRows rows{wp + b * p.K * kLanes};
-      const f32x16 bv = p.bias_of(b);
-      for (int64_t m0 = 0; m0 < p.M; m0 += kMaxTile) {
-        float* out = p.out + m0 * n + b * kLanes;
-        with_tile(static_cast<int>(std::min(kMaxTile, p.M - m0)), [&](auto MT) {
-          tile<MT>(p.x + m0 * p.K, p.K, rows, p.K,
-                   [&](int i, f32x16 a) { store(out + i * n, a + bv, p.width(b)); });
+  const std::vector<int64_t> rows = row_tiles(p.M);
+  // x, each row tile k-major (the tile of rows [m0, m0 + mt) at xt + m0 * K): exact copies
+  std::vector<float> xt(p.M * p.K);
+  for (int64_t m0 = 0, t = 0; m0 < p.M; m0 += rows[t++])
+    for (int64_t i = 0; i < rows[t]; ++i)
+      for (int64_t k = 0; k < p.K; ++k) xt[m0 * p.K + k * rows[t] + i] = p.x[(m0 + i) * p.K + k];
+  // Output columns [0, NB * 16) in units of one tile's vectors (the last unit may hold fewer),
+  // split among torch's threads; each unit's weights are read from memory once, then from cache
+  // while its row tiles take their turns.
+  const int64_t width = kTileVecs * kVec, padded = w.size(0) * kLanes;
+  const int64_t units = (padded + width - 1) / width;
+  at::parallel_for(0, units, std::max<int64_t>(1, (int64_t{1} << 16) / (p.K * width)),
+                   [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t c0 = u * width;
+      const int nv = static_cast<int>(std::min<int64_t>(kTileVecs, (padded - c0) / kVec));
+      const float* col[kTileVecs];
+      fvec bv[kTileVecs] = {};
+      for (int j = 0; j < nv; ++j) {
+        const int64_t c = c0 + j * kVec;
+        col[j] = wp + (c / kLanes) * p.K * kLanes + c % kLanes;
+        for (int64_t l = 0; l < kVec && c + l < n; ++l) bv[j][l] = p.bias ? p.bias[c + l] : 0.f;
+      }
+      int64_t m0 = 0;
+      for (const int64_t mt : rows) {
+        float* out = p.out + m0 * n;
+        auto epilogue = [&](int i, int j, fvec a) {
+          const int64_t c = c0 + j * kVec, valid = std::min<int64_t>(kVec, n - c);
+          a += bv[j];
+          if (valid == kVec)
+            *reinterpret_cast<fvec_u*>(out + i * n + c) = a;
+          else  // the padded last block: its lanes past N (none, or all of a vector) stay unwritten
+            for (int64_t l = 0; l < valid; ++l) out[i * n + c + l] = a[l];
+        };
+        with_rows<kTileRows>(static_cast<int>(mt), [&](auto MT) {
+          if (nv == kTileVecs)
+            float_tile<MT, kTileVecs>(xt.data() + m0 * p.K, col, p.K, epilogue);
+          else
+            float_tile<MT, 1>(xt.data() + m0 * p.K, col, p.K, epilogue);
         });
+        m0 += mt;
       }
     }
   });
   return out;
 }
+
+// The row tiles linear_f32 runs for m rows (the decision its tests check).
+std::vector<int64_t> linear_f32_row_tiles(int64_t m) { return row_tiles(m); }
 
 // Checks a float16 [NB, K/group, 16] group-parameter tensor.
 void check_groups(const at::Tensor& t, int64_t nb, int64_t groups) {
@@ -329,7 +400,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
         const _Float16* sb = sp + b * groups * kLanes;
         const f32x16 bv = p.bias_of(b);
         float* out = p.out + m0 * n + b * kLanes;
-        with_tile(mt, [&](auto MT) {
+        with_rows<kMaxTile>(mt, [&](auto MT) {
           grouped_tile<MT>(
               p.x + m0 * K, K, rows, K, group,
               [&](int, int64_t g, const f32x16& part, f32x16& acc) {
@@ -375,7 +446,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
         const f32x16 bv = p.bias_of(b);
         const float* xs = xsum.data() + m0 * groups;
         float* out = p.out + m0 * n + b * kLanes;
-        with_tile(mt, [&](auto MT) {
+        with_rows<kMaxTile>(mt, [&](auto MT) {
           grouped_tile<MT>(
               p.x + m0 * K, K, rows, K, group,
               [&](int i, int64_t g, const f32x16& part, f32x16& acc) {
@@ -390,15 +461,22 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 
 }  // namespace
 
-TORCH_LIBRARY(prefixserve_cpu, m) {
+// The ops' namespace: prefixserve_cpu in the engine's build; tests/test_cpu_linear.py builds this
+// file for other instruction sets (-march) into namespaces of their own and compares the bits.
+#ifndef LINEAR_NAMESPACE
+#define LINEAR_NAMESPACE prefixserve_cpu
+#endif
+
+TORCH_LIBRARY_FRAGMENT(LINEAR_NAMESPACE, m) {
   m.def("linear_f32(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
+  m.def("linear_f32_row_tiles(int m) -> int[]", &linear_f32_row_tiles);
   m.def("linear_int8(Tensor x, Tensor w, Tensor scales, int group, Tensor? bias, int n) -> Tensor");
   m.def(
       "linear_int4(Tensor x, Tensor w, Tensor scales, Tensor shifts, int group, Tensor? bias, "
       "int n) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(prefixserve_cpu, CPU, m) {
+TORCH_LIBRARY_IMPL(LINEAR_NAMESPACE, CPU, m) {
   m.impl("linear_f32", &linear_f32);
   m.impl("linear_int8", &linear_int8);
   m.impl("linear_int4", &linear_int4);

@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 _HERE = Path(__file__).resolve().parent
 _SOURCES = [_HERE / "cpu_linear.cpp", _HERE / "cpu_qlinear.cpp", _HERE / "cpu_klinear.cpp",
             _HERE / "cpu_attention.cpp"]  # fmt: skip
-HEADERS = [_HERE / "cpu_qisa.h"]  # part of the build's digest, not compiled alone
+# part of the build's digest, not compiled alone
+HEADERS = [_HERE / "cpu_qisa.h", _HERE / "cpu_rows.h"]
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 
 

@@ -21,6 +21,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_rows.h"
+
 namespace {
 
 constexpr int64_t kLanes = 16;
@@ -309,20 +311,6 @@ inline I32 column(const W& w, int i) { I32 r; for (int l = 0; l < kLanes; ++l) r
 inline void store_lanes(float* p, F32 v) { std::copy(v.v, v.v + kLanes, p); }
 #endif
 
-template <class F>
-inline void with_rows(int mt, F f) {
-  switch (mt) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    case 6: return f(std::integral_constant<int, 6>{});
-    case 7: return f(std::integral_constant<int, 7>{});
-    default: return f(std::integral_constant<int, 8>{});
-  }
-}
-
 struct Problem {
   int64_t M, K, N, nb;
   float* out;
@@ -345,7 +333,7 @@ void for_each_block(const Problem& p, int64_t bytes_per_block, Block block) {
   at::parallel_for(0, p.nb, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t m0 = 0; m0 < p.M; m0 += kMaxRows)
-        with_rows(static_cast<int>(std::min<int64_t>(kMaxRows, p.M - m0)),
+        with_rows<kMaxRows>(static_cast<int>(std::min<int64_t>(kMaxRows, p.M - m0)),
                   [&](auto MT) { block(b, m0, MT); });
   });
 }

@@ -4,9 +4,13 @@ in any position, whatever the other rows hold."""
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
+import xxhash
 
 from prefixserve.kernels import cpu_linear, cpu_ops
 from prefixserve.models.quantization import quantize_int4, quantize_int8
@@ -50,8 +54,8 @@ def test_kernels_equal_f_linear_on_their_weights(scheme, m, n, k, bias):
 @pytest.mark.parametrize("scheme", ["f32", "int8", "int4"])
 @pytest.mark.parametrize("m", [2, 6, 7, 13, 40])
 def test_a_row_is_bit_identical_alone_and_in_any_batch(scheme, m):
-    """Tiles of six rows, the unpacked path past six rows, the row's position: none of them
-    changes a row's bits."""
+    """The row tiles, the unpacked path past six rows (int8, int4), the row's position: none of
+    them changes a row's bits."""
     gen = _gen(m)
     w, b = torch.randn(48, 96, generator=gen), torch.randn(48, generator=gen)
     x = torch.randn(m, 96, generator=gen)
@@ -95,3 +99,86 @@ def test_the_ops_trace_in_torch_compile():
     fn = torch.compile(lambda x: cpu_linear.linear_f32(x, packed, None, 32) * 2, fullgraph=True)
     x = torch.randn(3, 64, generator=_gen(2))
     torch.testing.assert_close(fn(x), 2 * cpu_linear.linear_f32(x, packed, None, 32))
+
+
+def _has_flag(flag: str) -> bool:
+    return flag in next((x for x in open("/proc/cpuinfo") if x.startswith("flags")), "").split()
+
+
+def _tile_rows() -> int:
+    """The float32 tile's most rows in the native build: 12 on AVX-512 (32 vector registers), 6
+    elsewhere (16)."""
+    return 12 if _has_flag("avx512f") else 6
+
+
+def test_float_row_tiles_are_as_few_as_the_registers_allow_and_even():
+    """A call's rows split into ceil(M / most) tiles whose sizes differ by at most one (13 rows on
+    AVX-512: 7 + 6, never 12 + 1)."""
+    most, tiles = _tile_rows(), torch.ops.prefixserve_cpu.linear_f32_row_tiles
+    assert tiles(0) == [] and tiles(1) == [1] and tiles(most) == [most]
+    assert tiles(most + 1) == [most // 2 + 1, most // 2]
+    for m in range(1, 5 * most):
+        rows = tiles(m)
+        assert sum(rows) == m and len(rows) == -(-m // most)
+        assert max(rows) <= most and max(rows) - min(rows) <= 1
+
+
+def test_every_float_tile_and_remainder_gives_a_row_the_same_bits():
+    """Every row count up to three tiles, over 40 outputs (on AVX-512 a tile of two blocks, then
+    one of a single, padded block): each row as it is alone."""
+    gen = _gen(11)
+    w, b = torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen)
+    packed = cpu_linear.pack_f32(w)
+    x = torch.randn(3 * _tile_rows() + 1, 64, generator=gen)
+    alone = torch.cat([cpu_linear.linear_f32(x[i : i + 1], packed, b, 40) for i in range(len(x))])
+    for m in range(1, len(x) + 1):
+        assert torch.equal(cpu_linear.linear_f32(x[:m], packed, b, 40), alone[:m])
+
+
+def test_float_results_do_not_depend_on_the_thread_split():
+    gen = _gen(12)
+    w, x = torch.randn(1300, 64, generator=gen), torch.randn(13, 64, generator=gen)
+    packed, before = cpu_linear.pack_f32(w), torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_linear.linear_f32(x, packed, None, 1300)
+        torch.set_num_threads(2)
+        assert torch.equal(cpu_linear.linear_f32(x, packed, None, 1300), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("march", "namespace"), [("x86-64-v3", "linear_avx2"),
+                                                  ("x86-64", "linear_portable")])  # fmt: skip
+def test_other_instruction_sets_give_the_same_bits(march, namespace):
+    """The file built for AVX2 (a tile of 6 rows times one block in ymm registers) and for plain
+    x86-64 (generic vectors) against the native build, which on AVX-512 tiles 12 rows times two
+    blocks in zmm registers: the same bits, every row count to three tiles (and for int8 and int4,
+    whose tiles are the same on every instruction set)."""
+    if platform.machine() != "x86_64" or (march == "x86-64-v3" and not _has_flag("avx2")):
+        pytest.skip(f"{march} does not run here")
+    flags = ["-O2", f"-march={march}", "-ffp-contract=off", "-fopenmp",
+             f"-DLINEAR_NAMESPACE={namespace}"]  # fmt: skip
+    kernels = Path(cpu_ops.__file__).resolve().parent
+    sources = [kernels / "cpu_linear.cpp"]
+    digest = xxhash.xxh3_64(f"{torch.__version__}|{flags}".encode())
+    for source in sources + cpu_ops.HEADERS:
+        digest.update(source.read_bytes())
+    cpu_ops.load_extension(f"{namespace}_{digest.hexdigest()}", sources, flags)
+    ops = getattr(torch.ops, namespace)
+    assert ops.linear_f32_row_tiles(13) == [5, 4, 4]  # at most 6 rows a tile
+    gen = _gen(13)
+    w, b = torch.randn(40, 96, generator=gen), torch.randn(40, generator=gen)
+    f32 = cpu_linear.pack_f32(w)
+    q8, q4 = quantize_int8(w), quantize_int4(w)
+    int8 = (*cpu_linear.pack_int8(q8.qweight, q8.scales), q8.group_size)
+    int4 = (*cpu_linear.pack_int4(q4.qvalues, q4.scales, q4.shifts), q4.group_size)
+    for m in range(1, 3 * _tile_rows() + 2):
+        x = torch.randn(m, 96, generator=gen)
+        assert torch.equal(ops.linear_f32(x, f32, b, 40), cpu_linear.linear_f32(x, f32, b, 40))
+        assert torch.equal(
+            ops.linear_int8(x, *int8, b, 40), cpu_linear.linear_int8(x, *int8, b, 40)
+        )
+        assert torch.equal(
+            ops.linear_int4(x, *int4, b, 40), cpu_linear.linear_int4(x, *int4, b, 40)
+        )
