@@ -110,16 +110,9 @@ def test_graphs_compile_at_start_up_and_never_again(tmp_path):
     assert counters["stats"]["unique_graphs"] == compiled_graphs  # nothing recompiled
 
 
-# Dynamo's guard checks: how many a graph carries depends on what the process compiled before
-# (a second engine's graphs check saved-tensor hooks too), not on the graph
-_GUARD_FILES = (os.path.join("_dynamo", "guards.py"), os.path.join("_aot_autograd", "utils.py"),
-                "<string>")  # fmt: skip
-
-
 def _python_in_replays(llm: LLM) -> list[collections.Counter]:
-    """Per replayed step: the Python function calls made inside ``replay`` but for Dynamo's
-    guard checks ("calls"), and those that dispatch a torch op from Python ("ops":
-    ``torch.ops`` and custom-op frames)."""
+    """Per replayed step: the Python function calls made inside ``replay`` ("calls"), and those
+    of them that dispatch a torch op from Python ("ops": ``torch.ops`` and custom-op frames)."""
     replay, seen = llm.llm_engine.runner.decode_replay, []
     inner = replay.replay
 
@@ -128,7 +121,7 @@ def _python_in_replays(llm: LLM) -> list[collections.Counter]:
 
         def profile(frame, event, arg):
             path = frame.f_code.co_filename
-            if event == "call" and not path.endswith(_GUARD_FILES):
+            if event == "call":
                 calls["calls"] += 1
                 calls["ops"] += path.endswith(os.path.join("torch", "_ops.py")) or (
                     os.path.join("torch", "_library") in path
@@ -151,7 +144,8 @@ def _python_in_replays(llm: LLM) -> list[collections.Counter]:
 def test_a_one_stream_step_is_one_graph_call_whatever_the_depth(tmp_path):
     """A replayed one-stream step enters Python once, for the graph call: no op is dispatched
     from Python inside it (the generated C++ calls every op through the dispatcher) and the
-    Python it runs (Dynamo's entry, the wrapper's argument list) does not grow with depth."""
+    Python it runs (Dynamo's entry with no guards, the wrapper's argument list) does not grow
+    with depth."""
     llms = {}
     for depth in (2, 4):
         folder = make_checkpoint("llama", tmp_path / str(depth), seed=1, num_hidden_layers=depth)

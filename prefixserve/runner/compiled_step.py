@@ -102,9 +102,10 @@ class CompiledStepRunner(DecodeReplay):
         super().__init__([1, largest] if largest > 1 else [1])
         self.max_query_len = max_query_len
         self.block_size = block_size
+        # a copy each: torch.compile pops guard_filter_fn out of the options it is given
         self._graphs = {
             rows: torch.compile(
-                _decode_forward(model), dynamic=False, fullgraph=True, options=_OPTIONS
+                _decode_forward(model), dynamic=False, fullgraph=True, options=dict(_OPTIONS)
             )
             for rows in self.sizes
         }
