@@ -10,6 +10,9 @@ from attn_utils import BlockAllocator, build_attn_metadata
 
 from prefixserve.attention.cpu_backend import CpuAttentionBackend, PagedStep
 from prefixserve.attention.metadata import AttentionMetadata, token_contexts
+from prefixserve.attention.selector import get_attention_backend
+from prefixserve.attention.torch_backend import TorchAttentionBackend
+from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.kernels import cpu_ops
 from prefixserve.kernels.cpu_attention import paged_attention
 
@@ -127,3 +130,12 @@ def test_the_cpu_backend_leaves_long_chunks_to_the_torch_reference():
         out = backend.forward(q, k, v, written, step, 0.125)
         reference = _dense(q, written, tables, lens, 16, new)
         torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_picks_the_cpu_backend_on_cpu_and_torch_is_the_reference():
+    cpu = torch.device("cpu")
+    assert type(get_attention_backend("auto", cpu)) is CpuAttentionBackend
+    assert type(get_attention_backend("cpu", cpu, batch_invariant=True)) is CpuAttentionBackend
+    assert type(get_attention_backend("torch", cpu)) is TorchAttentionBackend
+    with pytest.raises(InvalidArgumentError, match="batch_invariant"):
+        get_attention_backend("torch", cpu, batch_invariant=True)
