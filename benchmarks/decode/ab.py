@@ -8,8 +8,8 @@ Workload: N streams (``--streams``) with distinct 32-token prompts, greedy, EOS 
 at once; after every stream decodes, ``--steps`` decode-only steps are timed (float32, the GGUF
 dequantized; with ``--keep-gguf`` its quantized types kept as each checkout keeps them; with
 ``--scheme`` one of ``decode.common.SCHEMES``, as ``offline`` and ``profile`` load it). Each
-round runs one worker process per checkout, the two in turn (the baseline's
-``prefixserve`` is put first on ``PYTHONPATH``), so a busy minute hits both. Measured per step:
+round runs one worker process per checkout, the two in turn (each checkout's ``prefixserve`` put
+first on ``PYTHONPATH``), so a busy minute hits both. Measured per step:
 wall time and the engine thread's CPU time (``time.thread_time``). With ``--threads 1`` the CPU
 time is the work the step did, whatever else the machine runs: the figure to trust on a shared
 machine, where wall times swing with the load. Printed: min and median of each over all rounds,
@@ -57,8 +57,9 @@ def measure(
 
 def run_worker(checkout: Path, args: argparse.Namespace) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    if checkout != THIS_CHECKOUT:
-        env["PYTHONPATH"] = os.pathsep.join([str(checkout), env.get("PYTHONPATH", "")])
+    # each checkout first on the path, this one too: from cwd "/" an editable install would
+    # otherwise resolve ``prefixserve`` to whichever checkout it was installed from
+    env["PYTHONPATH"] = os.pathsep.join([str(checkout), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, str(HERE.parent), "ab", "--worker", "--model", args.model, "--steps",
            str(args.steps), "--threads", str(args.threads), "--streams", *map(str, args.streams),
            *(["--keep-gguf"] if args.keep_gguf else []),
