@@ -161,7 +161,7 @@ def forward_error(
     flat = kv.view(2, -1, kv_heads, head_dim)
     key, value = flat[0][md.slot_mapping].clone(), flat[1][md.slot_mapping].clone()
     flat[:, md.slot_mapping] = 0
-    out = backend.forward(query, key, value, kv, md, scale)
+    out = backend.forward(query, key, value, kv, backend.plan(md, kv), scale)
     ref = torch.cat(
         [
             dense_reference(

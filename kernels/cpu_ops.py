@@ -1,7 +1,7 @@
 """The CPU kernels written in C++ here (``cpu_linear.cpp``: linear layers on float activations;
 ``cpu_qlinear.cpp``: int8 / int4 linear layers on int8 activations; ``cpu_klinear.cpp``: GGUF's
 block types on int8 or float activations, both on ``cpu_qisa.h``; ``cpu_attention.cpp``: paged
-attention), registered as torch ops ``torch.ops.prefixserve_cpu.*``.
+attention; ``cpu_norm.cpp``: RMSNorm and the residual add fused with it), registered as torch ops ``torch.ops.prefixserve_cpu.*``.
 
 ``available()`` builds them on first use with the machine's own compiler
 (``torch.utils.cpp_extension``: ``-O3 -march=native -ffp-contract=off``, OpenMP through the
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).resolve().parent
 _SOURCES = [_HERE / "cpu_linear.cpp", _HERE / "cpu_qlinear.cpp", _HERE / "cpu_klinear.cpp",
-            _HERE / "cpu_attention.cpp"]  # fmt: skip
+            _HERE / "cpu_attention.cpp", _HERE / "cpu_norm.cpp"]  # fmt: skip
 # part of the build's digest, not compiled alone
 HEADERS = [_HERE / "cpu_qisa.h", _HERE / "cpu_rows.h"]
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
@@ -120,3 +120,11 @@ def _register_fakes() -> None:
     @torch.library.register_fake(lib + "paged_attention")
     def _(q, k, v, kv_cache, slot_mapping, block_tables, token_seq, token_len, scale):
         return torch.empty_like(q)
+
+    @torch.library.register_fake(lib + "rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake(lib + "add_rms_norm")
+    def _(x, residual, weight, eps):
+        return torch.empty_like(x), torch.empty_like(x)

@@ -1,4 +1,5 @@
-"""Test helpers: build ``AttentionMetadata`` for a flattened batch and run paged model steps.
+"""Test helpers: build ``AttentionMetadata`` for a flattened batch, plan it and run paged model
+steps (every forward takes the step context its backend's ``plan`` returns).
 
 A batch is described per sequence as ``(num_cached, num_new)`` plus its block table; decodes
 (``num_new == 1``) must come first, as the engine's model runner lays them out.
@@ -21,6 +22,17 @@ def build_attn_metadata(
     engine's own builder (prefix groups planned as the model runner plans them)."""
     spans = [SeqSpan(t, cached, new) for (cached, new), t in zip(seqs, block_tables)]
     return build_attention_metadata(spans, block_size, device)
+
+
+def attend(backend, query, key, value, kv_cache, md, scale) -> torch.Tensor:
+    """``backend.forward`` over the step ``backend.plan`` makes of ``md``."""
+    return backend.forward(query, key, value, kv_cache, backend.plan(md, kv_cache), scale)
+
+
+def forward(model, input_ids, positions, kv_caches, md, keep=None) -> torch.Tensor:
+    """``model``'s forward over the step its attention backend plans of ``md``."""
+    backend = model.model.layers[0].self_attn.backend
+    return model(input_ids, positions, kv_caches, backend.plan(md, kv_caches[0]), keep)
 
 
 class BlockAllocator:
@@ -54,7 +66,7 @@ def run_step(
         [t for ids, cached, new in batch for t in ids[cached : cached + new]],
         device=kv_caches.device,
     )
-    logits = model.compute_logits(model(input_ids, positions, kv_caches, md))
+    logits = model.compute_logits(forward(model, input_ids, positions, kv_caches, md))
     return list(logits.split(md.query_lens_cpu))
 
 

@@ -75,12 +75,16 @@ def make_checkpoint(
     seed: int = 0,
     max_shard_size: str | None = None,
     max_position_embeddings: int = 256,
+    num_hidden_layers: int | None = None,
 ) -> Path:
     """Write a tiny random ``arch`` checkpoint (one of ``ARCHS``) plus tokenizer into ``folder``.
 
-    ``max_shard_size`` (e.g. ``"40KB"``) splits the weights into shards with an index file.
+    ``max_shard_size`` (e.g. ``"40KB"``) splits the weights into shards with an index file;
+    ``num_hidden_layers`` replaces the architecture's depth.
     """
     config = _hf_config(arch, max_position_embeddings)
+    if num_hidden_layers is not None:
+        config.num_hidden_layers = num_hidden_layers
     return write_random_checkpoint(config, folder, seed=seed, max_shard_size=max_shard_size)
 
 

@@ -1,12 +1,15 @@
 """Compiled CPU decode steps (``prefixserve.runner.compiled_step``) against eager steps on the same
 checkpoint: the same tokens and the same logprobs, to the bit (the compiled graph keeps every
 reduction in the eager kernels), under prefix caching, chunked prefill, preemption, forks,
-grammars and speculation; the graphs compile at start-up and never again; a failed capture
-leaves a working eager engine."""
+grammars and speculation; the graphs compile at start-up and never again; a replayed step is one
+graph call from Python, whatever the depth; a failed capture leaves a working eager engine."""
 
 from __future__ import annotations
 
+import collections
 import logging
+import os
+import sys
 
 import pytest
 import torch
@@ -105,6 +108,53 @@ def test_graphs_compile_at_start_up_and_never_again(tmp_path):
         llm.generate(prompts, params, use_tqdm=False)
     assert replay.replayed_steps > 0
     assert counters["stats"]["unique_graphs"] == compiled_graphs  # nothing recompiled
+
+
+def _python_in_replays(llm: LLM) -> list[collections.Counter]:
+    """Per replayed step: the Python function calls made inside ``replay`` ("calls"), and those
+    of them that dispatch a torch op from Python ("ops": ``torch.ops`` and custom-op frames)."""
+    replay, seen = llm.llm_engine.runner.decode_replay, []
+    inner = replay.replay
+
+    def counting(*args):
+        calls: collections.Counter = collections.Counter()
+
+        def profile(frame, event, arg):
+            path = frame.f_code.co_filename
+            if event == "call":
+                calls["calls"] += 1
+                calls["ops"] += path.endswith(os.path.join("torch", "_ops.py")) or (
+                    os.path.join("torch", "_library") in path
+                )
+
+        sys.setprofile(profile)
+        try:
+            return inner(*args)
+        finally:
+            sys.setprofile(None)
+            seen.append(calls)
+
+    replay.replay = counting
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    llm.generate([[1, 2, 3, 4]], params, use_tqdm=False)
+    del replay.replay
+    return seen
+
+
+def test_a_one_stream_step_is_one_graph_call_whatever_the_depth(tmp_path):
+    """A replayed one-stream step enters Python once, for the graph call: no op is dispatched
+    from Python inside it (the generated C++ calls every op through the dispatcher) and the
+    Python it runs (Dynamo's entry with no guards, the wrapper's argument list) does not grow
+    with depth."""
+    llms = {}
+    for depth in (2, 4):
+        folder = make_checkpoint("llama", tmp_path / str(depth), seed=1, num_hidden_layers=depth)
+        llms[depth] = LLM(str(folder), enforce_eager=False, **ENGINE)
+    seen = {depth: _python_in_replays(llm) for depth, llm in llms.items()}
+    for depth, steps in seen.items():
+        assert len(steps) == 4, depth  # every decode step of the one stream replayed
+        assert all(step["ops"] == 0 for step in steps), depth
+    assert seen[2][-1]["calls"] == seen[4][-1]["calls"]
 
 
 def test_a_failed_capture_leaves_an_eager_engine(tmp_path, monkeypatch, caplog):

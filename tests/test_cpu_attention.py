@@ -8,8 +8,11 @@ import pytest
 import torch
 from attn_utils import BlockAllocator, build_attn_metadata
 
-from prefixserve.attention.metadata import token_contexts
+from prefixserve.attention.cpu_backend import CpuAttentionBackend, PagedStep
+from prefixserve.attention.metadata import AttentionMetadata, token_contexts
+from prefixserve.attention.selector import get_attention_backend
 from prefixserve.attention.torch_backend import TorchAttentionBackend
+from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.kernels import cpu_ops
 from prefixserve.kernels.cpu_attention import paged_attention
 
@@ -103,9 +106,36 @@ def test_slot_minus_one_writes_nothing_and_bad_lengths_raise():
         paged_attention(q, k, v, cache, slots, md.block_tables, seqs, too_long, 0.125)
 
 
-def test_the_torch_backend_takes_the_kernel_for_pure_decode_steps():
+def test_the_cpu_backend_plans_decode_steps_as_kernel_tensors():
     lens = [7, 20]
     q, k, v, cache, md, tables = _batch(lens, 16, 9, 3, 64, seed=3)
-    out = TorchAttentionBackend().forward(q, k, v, cache, md, 0.125)
-    assert isinstance(md.backend_plan, tuple)  # the kernel's token contexts, not a torch plan
+    backend = CpuAttentionBackend()
+    step = backend.plan(md, cache)
+    assert isinstance(step, PagedStep) and md.backend_plan is None  # tensors alone
+    assert all(isinstance(t, torch.Tensor) for t in step)
+    out = backend.forward(q, k, v, cache, step, 0.125)
     torch.testing.assert_close(out, _dense(q, cache, tables, lens, 16), atol=1e-5, rtol=1e-5)
+
+
+def test_the_cpu_backend_leaves_long_chunks_to_the_torch_reference():
+    """A prefill chunk longer than ``TOKEN_BY_TOKEN_MAX_QUERY`` takes the torch reference's plan,
+    unless ``batch_invariant``; both attend alike."""
+    lens, new = [12, 30], [1, 20]  # the decode first, as the model runner lays a step out
+    q, k, v, cache, md, tables = _batch(lens, 16, 4, 2, 32, seed=4, new=new)
+    for backend, kind in ((CpuAttentionBackend(), AttentionMetadata),
+                          (CpuAttentionBackend(batch_invariant=True), PagedStep)):  # fmt: skip
+        step = backend.plan(md, cache)
+        assert isinstance(step, kind)
+        written = cache.clone()
+        out = backend.forward(q, k, v, written, step, 0.125)
+        reference = _dense(q, written, tables, lens, 16, new)
+        torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_picks_the_cpu_backend_on_cpu_and_torch_is_the_reference():
+    cpu = torch.device("cpu")
+    assert type(get_attention_backend("auto", cpu)) is CpuAttentionBackend
+    assert type(get_attention_backend("cpu", cpu, batch_invariant=True)) is CpuAttentionBackend
+    assert type(get_attention_backend("torch", cpu)) is TorchAttentionBackend
+    with pytest.raises(InvalidArgumentError, match="batch_invariant"):
+        get_attention_backend("torch", cpu, batch_invariant=True)

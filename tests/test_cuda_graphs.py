@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attn_utils import BlockAllocator
+from attn_utils import BlockAllocator, forward
 from checkpoints import make_checkpoint
 
 pytest.importorskip("triton")
@@ -49,7 +49,7 @@ class Engineless:
 
     def step(self, spans: list[SeqSpan], kv: torch.Tensor) -> torch.Tensor:
         positions, md = build_attention_metadata(spans, BLOCK, "cpu")
-        return self.model(self.ids(len(positions)), positions, kv, md)
+        return forward(self.model, self.ids(len(positions)), positions, kv, md)
 
     def prefill(self, lens: list[int], shared: list[int] | None = None) -> list[list[int]]:
         """Prompts of ``lens`` tokens written to the cache; the first ``len(shared)`` blocks of
@@ -110,10 +110,10 @@ def test_padded_replay_matches_eager(engineless):
         positions, md = build_attention_metadata(spans, BLOCK, "cpu")
         ids = e.ids(n)
         eager_kv = e.kv.clone()
-        eager = e.model(ids, positions, eager_kv, md)
+        eager = forward(e.model, ids, positions, eager_kv, md)
         _, md = build_attention_metadata(spans, BLOCK, "cpu")  # a fresh plan, as each step's
         before = e.kv.clone()
-        replayed = runner.run(ids, positions, e.kv, md, None)
+        replayed = runner.run(ids, positions, e.kv, md, e.backend.plan(md, e.kv[0]), None)
         assert replayed is not None and replayed.shape == eager.shape
         torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(e.kv, eager_kv, rtol=1e-5, atol=1e-5)
@@ -138,7 +138,7 @@ def test_steps_that_do_not_replay(engineless):
 
     def run(spans, keep=None):
         positions, md = build_attention_metadata(spans, BLOCK, "cpu")
-        return runner.run(ids[: len(positions)], positions, kv, md, keep)
+        return runner.run(ids[: len(positions)], positions, kv, md, e.backend.plan(md, kv[0]), keep)
 
     assert run(decodes[:2], keep=(torch.tensor([0]), None)) is None
     assert run(decodes) is None  # 3 > the largest captured size

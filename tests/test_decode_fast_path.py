@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attn_utils import BlockAllocator, build_attn_metadata
+from attn_utils import BlockAllocator, attend, build_attn_metadata
 
-from prefixserve.attention import torch_backend
 from prefixserve.attention.torch_backend import TorchAttentionBackend
 from prefixserve.models.llama import RMSNorm, apply_rope
 
@@ -64,11 +63,10 @@ def test_rms_norm_bfloat16_still_computes_in_float32():
 
 @pytest.mark.parametrize("block_size", [8, 16])
 @pytest.mark.parametrize("gqa", [1, 3])
-def test_pure_decode_step_equals_the_general_path_bitwise(block_size, gqa, monkeypatch):
+def test_pure_decode_step_equals_the_general_path_bitwise(block_size, gqa):
     """Decodes alone take the fast path; with a prefill chunk in the batch they take the general
     one (lse kept for merging). Both must give each decode the same bits and write the same K/V.
-    (The torch fast path: the C++ decode kernel, where it applies, is ``test_cpu_attention``'s.)"""
-    monkeypatch.setattr(torch_backend, "_cpu_kernel_applies", lambda query: False)
+    (The C++ backend's decode kernel is ``test_cpu_attention``'s.)"""
     nkv, hd = 2, 16
     nh = nkv * gqa
     decodes = [(5, 1), (17, 1), (40, 1)]
@@ -84,7 +82,7 @@ def test_pure_decode_step_equals_the_general_path_bitwise(block_size, gqa, monke
     def run(seqs, seq_tables, t):
         cache = kv_cache.clone()
         _, md = build_attn_metadata(seqs, seq_tables, block_size)
-        out = TorchAttentionBackend().forward(query[:t], key[:t], value[:t], cache, md, 0.25)
+        out = attend(TorchAttentionBackend(), query[:t], key[:t], value[:t], cache, md, 0.25)
         return out, cache, md
 
     fast, fast_cache, fast_md = run(decodes, tables[:n], n)

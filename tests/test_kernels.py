@@ -256,12 +256,13 @@ def test_backend_forward_mixed_batch(
     kv = batch.kv_cache.to(DEVICE, dtype)
     md = batch.metadata()
     assert md.num_decodes == 3
-    out = TritonAttentionBackend().forward(
+    backend = TritonAttentionBackend()
+    out = backend.forward(
         batch.query.to(DEVICE, dtype),
         batch.key.to(DEVICE, dtype),
         batch.value.to(DEVICE, dtype),
         kv,
-        md,
+        backend.plan(md, kv),
         scale,
     )
     assert out.shape == batch.query.shape and out.dtype == dtype

@@ -8,7 +8,7 @@ import json
 import huggingface_hub.constants
 import pytest
 import torch
-from attn_utils import BlockAllocator, build_attn_metadata, new_kv_caches, run_step
+from attn_utils import BlockAllocator, build_attn_metadata, forward, new_kv_caches, run_step
 from checkpoints import ARCHS, hf_logits, load_hf_model, make_checkpoint
 
 from prefixserve.attention.metadata import SeqSpan, build_attention_metadata
@@ -92,6 +92,7 @@ def test_last_layer_runs_only_for_sampling_rows(checkpoints, arch):
     """With ``keep``, the sampling rows get the hidden states of the full forward and the cache
     gets the same K/V; with no sampling row, the forward only writes K/V."""
     _, _, model, config = checkpoints[arch]
+    backend = model.model.layers[0].self_attn.backend
     seqs = [_prompt(n, 200 + n, config.vocab_size) for n in (18, 6, 30, 40)]
     cached, new = [17, 5, 0, 10], [1, 1, 30, 20]  # two decodes, a whole prompt, a middle chunk
     sampling = [0, 1, 2]  # the middle chunk (tokens 10..29 of 40) samples nothing
@@ -102,14 +103,15 @@ def test_last_layer_runs_only_for_sampling_rows(checkpoints, arch):
     positions, md = build_attn_metadata(list(zip(cached, new)), tables, BS)
     ids = torch.tensor([t for s, c, n in zip(seqs, cached, new) for t in s[c : c + n]])
     full_kv = kv.clone()
-    full = model(ids, positions, full_kv, md)
+    full = forward(model, ids, positions, full_kv, md)
     rows = md.query_start_loc[1:][sampling].long() - 1
     for keep_seqs, keep_rows in ((sampling, rows), ([], rows[:0])):
         pruned_kv = kv.clone()
         row_spans = [SeqSpan(tables[i], cached[i] + new[i] - 1, 1) for i in keep_seqs]
         md_rows = build_attention_metadata(row_spans, BS, "cpu")[1] if row_spans else None
+        rows_step = backend.plan(md_rows, kv[0]) if md_rows is not None else None
         step_md = dataclasses.replace(md, backend_plan=None)
-        pruned = model(ids, positions, pruned_kv, step_md, (keep_rows, md_rows))
+        pruned = forward(model, ids, positions, pruned_kv, step_md, (keep_rows, rows_step))
         torch.testing.assert_close(pruned, full[keep_rows], atol=1e-5, rtol=0)
         torch.testing.assert_close(pruned_kv, full_kv, atol=1e-5, rtol=0)
 

@@ -24,6 +24,7 @@ from prefixserve import LLM, SamplingParams
 from prefixserve.attention.torch_backend import TorchAttentionBackend
 from prefixserve.core.errors import ModelLoadError
 from prefixserve.models import ModelConfig, load_model
+from prefixserve.models import moe as moe_module
 from prefixserve.models.llama import MLP, LlamaForCausalLM
 from prefixserve.models.moe import SparseMoeBlock, map_expert_name, select_experts
 
@@ -91,6 +92,30 @@ def test_sparse_block_matches_transformers_block(renormalize, use_triton):
     tol = 1e-5 if use_triton else 1e-6
     torch.testing.assert_close(block(x[0]), expected, atol=tol, rtol=tol)
     assert block(x[0, :0]).shape == (0, hf_config.hidden_size)  # no rows (a step keeping none)
+
+
+def test_the_torch_path_runs_as_one_op_in_eager_and_compiled_steps():
+    """``prefixserve::grouped_moe(x, block)`` is the block's grouped path, named by its registry
+    id (eager and compiled steps call the same op); its fake gives the shape for a graph, and a
+    block that is gone leaves the registry."""
+    hf_config = _hf_config(norm_topk_prob=True)
+    moe = ModelConfig.from_hf_dict(_config_dict(hf_config)).moe
+    block = SparseMoeBlock(moe, hf_config.hidden_size, use_triton=False)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    x = torch.randn(9, hf_config.hidden_size, generator=gen)
+    with torch.no_grad():
+        assert torch.equal(torch.ops.prefixserve.grouped_moe(x, block.block_id), block.grouped(x))
+        assert torch.equal(block(x), block.grouped(x))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        assert torch.ops.prefixserve.grouped_moe(torch.empty(4, 7), block.block_id).shape == (4, 7)
+    block_id = block.block_id
+    del block
+    assert block_id not in moe_module._BLOCKS
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from attn_utils import BlockAllocator, build_attn_metadata
+from attn_utils import BlockAllocator, attend, build_attn_metadata
 
 from prefixserve.attention.torch_backend import TorchAttentionBackend
 
@@ -58,7 +58,7 @@ def test_matches_dense_reference(seed, block_size, gqa):
     key = torch.cat([k[c:] for (c, _), k in zip(seqs, ctx_k)])
     value = torch.cat([v[c:] for (c, _), v in zip(seqs, ctx_v)])
     scale = hd**-0.5
-    out = TorchAttentionBackend().forward(query, key, value, kv_cache, md, scale)
+    out = attend(TorchAttentionBackend(), query, key, value, kv_cache, md, scale)
     starts = md.query_start_loc.tolist()
     for i, (c, n) in enumerate(seqs):
         ref = _dense(query[starts[i] : starts[i + 1]], ctx_k[i], ctx_v[i], scale)
@@ -76,7 +76,7 @@ def test_slot_minus_one_is_not_written():
     _, md = build_attn_metadata([(0, 3), (0, 2)], [[1], [2]], block_size)
     md.slot_mapping[3:] = -1  # the second sequence's tokens are padding
     key, value = torch.randn(5, nkv, hd), torch.randn(5, nkv, hd)
-    out = TorchAttentionBackend().forward(torch.randn(5, nkv, hd), key, value, kv_cache, md, 0.5)
+    out = attend(TorchAttentionBackend(), torch.randn(5, nkv, hd), key, value, kv_cache, md, 0.5)
     assert out.shape == (5, nkv, hd)
     assert torch.equal(kv_cache[0, 1, :3], key[:3]) and torch.equal(kv_cache[1, 1, :3], value[:3])
     written = torch.zeros(4, block_size, dtype=torch.bool)
@@ -89,8 +89,14 @@ def test_empty_chunk_is_a_clear_error():
     kv_cache = torch.zeros(2, 4, 8, 2, 4)
     _, md = build_attn_metadata([(0, 3), (3, 0)], [[1], [1]], 8)
     with pytest.raises(ValueError, match="at least one query token"):
-        TorchAttentionBackend().forward(
-            torch.randn(3, 2, 4), torch.randn(3, 2, 4), torch.randn(3, 2, 4), kv_cache, md, 0.5
+        attend(
+            TorchAttentionBackend(),
+            torch.randn(3, 2, 4),
+            torch.randn(3, 2, 4),
+            torch.randn(3, 2, 4),
+            kv_cache,
+            md,
+            0.5,
         )
 
 
@@ -157,10 +163,10 @@ def test_prefix_groups_match_dense_reference(seed, gqa, consecutive):
     key = torch.cat([k[c:] for (c, _), k in zip(seqs, ctx_k)])
     value = torch.cat([v[c:] for (c, _), v in zip(seqs, ctx_v)])
     scale = hd**-0.5
-    out = TorchAttentionBackend().forward(query, key, value, kv_cache.clone(), md, scale)
+    out = attend(TorchAttentionBackend(), query, key, value, kv_cache.clone(), md, scale)
     assert (md.backend_plan.shared[0][1].run is not None) == consecutive  # view, or gather
     plain_md = dataclasses.replace(md, prefix_groups=[], backend_plan=None)
-    plain = TorchAttentionBackend().forward(query, key, value, kv_cache.clone(), plain_md, scale)
+    plain = attend(TorchAttentionBackend(), query, key, value, kv_cache.clone(), plain_md, scale)
     start = 0
     for (_, n), k, v in zip(seqs, ctx_k, ctx_v):
         ref = _dense(query[start : start + n], k, v, scale)

@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 import torch
-from attn_utils import BlockAllocator, build_attn_metadata
+from attn_utils import BlockAllocator, attend, build_attn_metadata
 
 pytest.importorskip("triton")
 
@@ -68,13 +68,13 @@ def run_both(seqs, tables, block_size: int, num_heads: int, cascade: bool | None
     k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen)
     v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen)
     scale = HEAD_DIM**-0.5
-    ref = TorchAttentionBackend().forward(q, k, v, kv.clone(), md, scale)
+    ref = attend(TorchAttentionBackend(), q, k, v, kv.clone(), md, scale)
     tensors = {f.name: getattr(md, f.name) for f in dataclasses.fields(md)}
     tensors = {k: t.to(DEVICE) for k, t in tensors.items() if isinstance(t, torch.Tensor)}
     tmd = dataclasses.replace(md, **tensors, backend_plan=None)
     backend = TritonAttentionBackend(cascade=cascade)
     tkv = kv.to(DEVICE)
-    out = backend.forward(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), tkv, tmd, scale)
+    out = attend(backend, q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), tkv, tmd, scale)
     return out.cpu(), ref, tmd, tkv.cpu(), backend
 
 
@@ -100,12 +100,17 @@ def test_cascade_off_and_on_agree() -> None:
     assert torch.equal(kv_on, kv_off)  # both stored the step's K/V in the same slots
 
 
-def test_plan_is_built_once_per_step() -> None:
+def test_forward_runs_the_plan_that_plan_built() -> None:
+    """The model runner plans a step once, before the model runs; every layer's forward reads
+    that plan, and a step nobody planned is refused."""
     seqs, tables, _ = nested_batch(8)
     _, _, md, _, backend = run_both(seqs, tables, 8, 4, cascade=True)
-    plan = md.backend_plan
     kv = torch.zeros(2, 256, 8, NUM_KV_HEADS, HEAD_DIM, device=DEVICE)
-    assert backend.plan(md, kv) is plan  # every later layer reuses the first layer's plan
+    assert backend.plan(md, kv) is md and md.backend_plan.cascade is not None
+    q = torch.zeros(md.slot_mapping.shape[0], 4, HEAD_DIM, device=DEVICE)
+    k = torch.zeros(md.slot_mapping.shape[0], NUM_KV_HEADS, HEAD_DIM, device=DEVICE)
+    with pytest.raises(RuntimeError, match="plan"):
+        backend.forward(q, k, k, kv, dataclasses.replace(md, backend_plan=None), 1.0)
 
 
 def test_heuristic_decides_per_group(monkeypatch) -> None:

@@ -2,12 +2,14 @@
 
     git archive <old-commit> | tar -x -C /tmp/base
     python benchmarks/decode ab --baseline /tmp/base [--model smollm2] [--streams 1 8]
-        [--rounds 3] [--steps 32] [--threads 1] [--keep-gguf]
+        [--rounds 3] [--steps 32] [--threads 1] [--keep-gguf | --scheme int4]
 
 Workload: N streams (``--streams``) with distinct 32-token prompts, greedy, EOS ignored, admitted
 at once; after every stream decodes, ``--steps`` decode-only steps are timed (float32, the GGUF
-dequantized; with ``--keep-gguf`` its quantized types kept as each checkout keeps them). Each round runs one worker process per checkout, the two in turn (the baseline's
-``prefixserve`` is put first on ``PYTHONPATH``), so a busy minute hits both. Measured per step:
+dequantized; with ``--keep-gguf`` its quantized types kept as each checkout keeps them; with
+``--scheme`` one of ``decode.common.SCHEMES``, as ``offline`` and ``profile`` load it). Each
+round runs one worker process per checkout, the two in turn (each checkout's ``prefixserve`` put
+first on ``PYTHONPATH``), so a busy minute hits both. Measured per step:
 wall time and the engine thread's CPU time (``time.thread_time``). With ``--threads 1`` the CPU
 time is the work the step did, whatever else the machine runs: the figure to trust on a shared
 machine, where wall times swing with the load. Printed: min and median of each over all rounds,
@@ -25,18 +27,21 @@ import sys
 import time
 from pathlib import Path
 
-from decode.common import set_threads, start_streams, write
+from decode.common import SCHEMES, set_threads, start_streams, write
 
 HERE = Path(__file__).resolve()
 THIS_CHECKOUT = HERE.parents[2]
 
 
-def measure(model: str, streams: list[int], steps: int, threads: int, keep: bool) -> dict:
+def measure(
+    model: str, streams: list[int], steps: int, threads: int, keep: bool, scheme: str | None
+) -> dict:
     """In a worker: {streams: {"wall": [s per step], "cpu": [...]}} for this process's engine."""
     from prefixserve import LLM
 
     set_threads(threads)
-    engine = LLM(model, gguf_dequantize=not keep, num_kv_blocks=512).llm_engine
+    load = SCHEMES[scheme] if scheme else {"gguf_dequantize": not keep}
+    engine = LLM(model, num_kv_blocks=512, **load).llm_engine
     result = {}
     for n in [1, *streams]:  # the first pass warms up
         start_streams(engine, n, steps + 1)
@@ -52,11 +57,13 @@ def measure(model: str, streams: list[int], steps: int, threads: int, keep: bool
 
 def run_worker(checkout: Path, args: argparse.Namespace) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    if checkout != THIS_CHECKOUT:
-        env["PYTHONPATH"] = os.pathsep.join([str(checkout), env.get("PYTHONPATH", "")])
+    # each checkout first on the path, this one too: from cwd "/" an editable install would
+    # otherwise resolve ``prefixserve`` to whichever checkout it was installed from
+    env["PYTHONPATH"] = os.pathsep.join([str(checkout), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, str(HERE.parent), "ab", "--worker", "--model", args.model, "--steps",
            str(args.steps), "--threads", str(args.threads), "--streams", *map(str, args.streams),
-           *(["--keep-gguf"] if args.keep_gguf else [])]  # fmt: skip
+           *(["--keep-gguf"] if args.keep_gguf else []),
+           *(["--scheme", args.scheme] if args.scheme else [])]  # fmt: skip
     out = subprocess.run(cmd, env=env, cwd="/", capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -73,11 +80,14 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--keep-gguf", action="store_true",
                         help="keep the GGUF's quantized types (default: dequantize)")  # fmt: skip
+    parser.add_argument("--scheme", choices=sorted(SCHEMES), help="load as benchmarks' SCHEMES")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out-dir", default=str(THIS_CHECKOUT / "benchmarks" / "results"))
     args = parser.parse_args(argv)
     if args.worker:
-        result = measure(args.model, args.streams, args.steps, args.threads, args.keep_gguf)
+        result = measure(
+            args.model, args.streams, args.steps, args.threads, args.keep_gguf, args.scheme
+        )
         print(json.dumps(result))
         return None
     if args.baseline is None:
@@ -110,6 +120,7 @@ def main(argv: list[str] | None = None) -> dict | None:
               f"{row['baseline_wall_ms']['median']:.1f} -> {row['new_wall_ms']['min']:.1f} / "
               f"{row['new_wall_ms']['median']:.1f} (x{row['wall_ratio']:.2f})")  # fmt: skip
     result = {"model": args.model, "threads": args.threads, "baseline": str(args.baseline),
-              "keep_gguf": args.keep_gguf, "summary": summary, "steps": steps}  # fmt: skip
+              "keep_gguf": args.keep_gguf, "scheme": args.scheme, "summary": summary,
+              "steps": steps}  # fmt: skip
     write(args.out_dir, "decode_ab.json", result)
     return result

@@ -32,11 +32,13 @@ CATEGORIES = {
     "prefixserve_cpu::linear_int4": "linear kernels",
     "prefixserve_cpu::linear_w8a8": "linear kernels",
     "prefixserve_cpu::linear_w4a8": "linear kernels",
+    "prefixserve_cpu::linear_kq8": "linear kernels",
+    "prefixserve_cpu::linear_kf32": "linear kernels",
     "prefixserve_cpu::paged_attention": "attention kernel",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention kernel",
-    "prefixserve::step_attention": "attention op (Python around the kernel)",
-    "prefixserve::step_moe": "MoE (eager, in graph)",
-    "prefixserve::rms_norm": "norms",
+    "prefixserve::grouped_moe": "MoE (Python op)",
+    "prefixserve_cpu::rms_norm": "norms",
+    "prefixserve_cpu::add_rms_norm": "norms",
     "aten::rms_norm": "norms",
 }
 

@@ -50,8 +50,8 @@ class AttentionMetadata:
     # member's block table starts with the same m blocks and every member's queries come after
     # them. Backends that do not use them stay correct; they only save re-reading a shared prefix.
     prefix_groups: list[tuple[list[int], int]] = field(default_factory=list)
-    # Per-step state a backend derives from the fields above on its first layer and reuses in
-    # every later layer (the torch backend's index tensors). Set only by the backend.
+    # Per-step state a backend derives from the fields above in its ``plan``, before the model
+    # runs, and every layer reads (the torch backend's index tensors). Set only by the backend.
     backend_plan: Any = None
 
     @property

@@ -9,14 +9,6 @@ partial results are merged by log-sum-exp (``out = sum_p e^lse_p out_p / sum_p e
     part 2 (prior context):   each query sees all of it; only key padding is masked
     part 3 (the chunk):       causal among the chunk's own tokens (K/V straight from this step)
 
-On CPU in float32 a step whose sequences each run at most ``TOKEN_BY_TOKEN_MAX_QUERY`` tokens
-(decodes, speculative verify steps, short chunks) runs the C++ paged attention kernel instead
-(``prefixserve.kernels.cpu_attention``): it writes the K/V and reads each sequence's blocks in
-place, one token at a time, so a token's result does not depend on the rest of the batch;
-prefix groups are not used there. With ``batch_invariant`` every step runs it (prefill chunks
-too: each token over its whole context, so neither the batch nor the chunking of a prompt
-changes a bit).
-
 Prefix groups (``AttentionMetadata.prefix_groups``) are sequences whose block tables start with
 the same blocks: requests that hit one cached system prompt, forked samples, beams; attention over
 those blocks runs once for the whole group (cascade attention). Decodes (a chunk of one token)
@@ -27,9 +19,10 @@ by length so a long chunk never pads many short ones. On CPU every part runs tor
 flash-attention kernel.
 
 What depends only on the batch's shape (index tensors, buckets, key-padding biases, the blocks
-each part reads) is derived once per step (``_StepPlan``, kept in ``backend_plan``) and reused by
-every layer. A group's shared blocks that lie consecutively in the pool are read as a view of the
-cache instead of being gathered.
+each part reads) is derived once per step by ``plan`` (``_StepPlan``, kept in the metadata's
+``backend_plan``; the step context is the metadata itself) and reused by every layer. A group's
+shared blocks that lie consecutively in the pool are read as a view of the cache instead of
+being gathered. The C++ paged kernel's backend (``cpu_backend``) builds on this one.
 """
 
 from __future__ import annotations
@@ -40,10 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixserve.attention.backend import AttentionBackend
-from prefixserve.attention.metadata import AttentionMetadata, token_contexts
-from prefixserve.core.errors import InvalidArgumentError
-from prefixserve.kernels import cpu_ops
-from prefixserve.kernels.cpu_attention import paged_attention
+from prefixserve.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -52,24 +42,20 @@ logger = logging.getLogger(__name__)
 # FREE_PADDING_TOKENS tokens: there, one call for many short chunks beats the padding it costs.
 MAX_PADDING_FACTOR = 1.25
 FREE_PADDING_TOKENS = 64
-# steps whose sequences run at most this many tokens each go token by token through the C++ kernel
-TOKEN_BY_TOKEN_MAX_QUERY = 8
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Reference backend; the definition of correct for every other backend. ``batch_invariant``
-    runs every step through the C++ kernel (CPU, float32; see the module docstring)."""
+    """Reference backend; the definition of correct for every other backend."""
 
     name = "torch"
 
-    def __init__(self, batch_invariant: bool = False) -> None:
-        if batch_invariant and not cpu_ops.available():
-            raise InvalidArgumentError(
-                "batch_invariant needs the CPU kernels, which could not be built here (a C++ "
-                "compiler and ninja); see the log",
-                param="batch_invariant",
-            )
-        self.batch_invariant = batch_invariant
+    def plan(self, attn_metadata: AttentionMetadata, kv_cache: torch.Tensor) -> AttentionMetadata:
+        """The metadata, its ``backend_plan`` filled (``_StepPlan``)."""
+        md = attn_metadata
+        if 0 in md.query_lens_cpu:
+            raise ValueError("every sequence of a batch needs at least one query token")
+        md.backend_plan = _StepPlan.build(md, kv_cache.shape[2], kv_cache.device, kv_cache.dtype)
+        return md
 
     def forward(
         self,
@@ -77,23 +63,13 @@ class TorchAttentionBackend(AttentionBackend):
         key: torch.Tensor,  # [T, nkv, hd]
         value: torch.Tensor,  # [T, nkv, hd]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, nkv, hd]
-        attn_metadata: AttentionMetadata,
+        step: AttentionMetadata,  # planned
         scale: float,
     ) -> torch.Tensor:  # [T, nh, hd]
-        md = attn_metadata
-        if md.backend_plan is None and 0 in md.query_lens_cpu:  # checked once a step
-            raise ValueError("every sequence of a batch needs at least one query token")
-        token_by_token = self.batch_invariant or md.max_query_len <= TOKEN_BY_TOKEN_MAX_QUERY
-        if token_by_token and _cpu_kernel_applies(query):
-            if md.backend_plan is None:
-                md.backend_plan = token_contexts(md)  # (token_seq, token_len), every layer's
-            return paged_attention(
-                query.contiguous(), key.contiguous(), value.contiguous(), kv_cache,
-                md.slot_mapping, md.block_tables, *md.backend_plan, scale,
-            )  # fmt: skip
-        if md.backend_plan is None:
-            md.backend_plan = _StepPlan.build(md, kv_cache.shape[2], query.device, query.dtype)
-        plan: _StepPlan = md.backend_plan
+        md = step
+        plan = md.backend_plan
+        if not isinstance(plan, _StepPlan):
+            raise RuntimeError("the torch backend runs a step its plan() planned")
         _write_kv(key, value, kv_cache, md.slot_mapping, plan.slots_valid)
         nd = md.num_decodes
         if nd == query.shape[0] and not plan.shared:  # a pure decode step, the common case
@@ -120,10 +96,6 @@ class TorchAttentionBackend(AttentionBackend):
 
     def copy_blocks(self, kv_caches: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         kv_caches[:, :, dst] = kv_caches[:, :, src]
-
-
-def _cpu_kernel_applies(query: torch.Tensor) -> bool:
-    return query.device.type == "cpu" and query.dtype == torch.float32 and cpu_ops.available()
 
 
 def _write_kv(

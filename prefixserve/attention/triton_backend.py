@@ -26,8 +26,9 @@ prefix of ~440 tokens, 32 from ~110, 2 from ~2,960, and never when the saving is
 group's traffic. ``TritonAttentionBackend(cascade=True)`` takes every group with a decode (tests,
 benchmarks), ``cascade=False`` none.
 
-The step's plan (which groups take cascade, their index tensors) is derived once, on the first
-layer, kept in ``AttentionMetadata.backend_plan`` and reused by every later layer; its index
+The step's plan (which groups take cascade, their index tensors) is derived once by ``plan``,
+before the model runs, kept in ``AttentionMetadata.backend_plan`` (the step context is the
+metadata itself) and reused by every layer; its index
 vectors reach the device in one pinned, non-blocking copy. Host-side sizes (grids, split counts)
 come from the metadata's host fields (``max_seq_len``, ``max_query_len``, ``seq_lens_cpu``), never
 from device tensors. On CPU the kernels run through Triton's interpreter (tests only).
@@ -142,12 +143,14 @@ class TritonAttentionBackend(AttentionBackend):
             check_triton_available(device)
         self.cascade = cascade
 
-    def plan(self, md: AttentionMetadata, kv_cache: torch.Tensor) -> TritonStepPlan:
-        """The step's plan, built on the first call (``kv_cache``: one layer's, for its shape)
-        and kept in ``md.backend_plan`` for every later layer."""
-        if md.backend_plan is None:
-            md.backend_plan = TritonStepPlan(self._cascade_groups(md, kv_cache))
-        return md.backend_plan
+    def plan(self, attn_metadata: AttentionMetadata, kv_cache: torch.Tensor) -> AttentionMetadata:
+        """The metadata, its ``backend_plan`` filled (``TritonStepPlan``; ``kv_cache``: one
+        layer's, for its shape)."""
+        md = attn_metadata
+        if 0 in md.query_lens_cpu:
+            raise ValueError("every sequence of a batch needs at least one query token")
+        md.backend_plan = TritonStepPlan(self._cascade_groups(md, kv_cache))
+        return md
 
     def _cascade_groups(
         self, md: AttentionMetadata, kv_cache: torch.Tensor
@@ -172,14 +175,16 @@ class TritonAttentionBackend(AttentionBackend):
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
+        step: AttentionMetadata,  # planned
         scale: float,
     ) -> torch.Tensor:
-        md = attn_metadata
+        md = step
+        if not isinstance(md.backend_plan, TritonStepPlan):
+            raise RuntimeError("the triton backend runs a step its plan() planned")
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         query = _last_dim_contiguous(query)
         self.store_kv(key, value, kv_cache, md.slot_mapping)
-        groups = self.plan(md, kv_cache).cascade
+        groups = md.backend_plan.cascade
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         nd = md.num_decodes
         if nd > 0:

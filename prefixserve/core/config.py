@@ -10,7 +10,7 @@ from prefixserve.core.errors import InvalidArgumentError, require
 from prefixserve.spec_decode.config import SpeculativeConfig
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
-_BACKENDS = ("auto", "torch", "triton")
+_BACKENDS = ("auto", "cpu", "torch", "triton")
 _POLICIES = ("fcfs", "prefix")
 _QUANTIZATIONS = (None, "int8", "int4")
 _ACTIVATION_QUANTIZATIONS = ("int8", None)
@@ -45,7 +45,7 @@ class EngineConfig:
     ``torch.compile``d step on CPU (float32), with Inductor's cache in ``compile_cache_dir``
     (default ``~/.cache/prefixserve/inductor``, unless ``TORCHINDUCTOR_CACHE_DIR`` is set).
     Default off, or on where ``PREFIXSERVE_ENFORCE_EAGER=1``. ``batch_invariant``: one
-    reduction order for every batch shape (CPU, float32, the torch backend): a request's tokens
+    reduction order for every batch shape (CPU, float32, the cpu backend): a request's tokens
     and logprobs are bit-identical alone or in any batch, under any chunking of its prompt,
     compiled or not.
     ``quantization`` (int8 / int4): weight-only quantization of the decoder's linear layers

@@ -57,7 +57,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduling-policy", choices=["fcfs", "prefix"], default="fcfs")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument(
+        "--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"]
+    )
     p.add_argument(
         "--enforce-eager",
         action=argparse.BooleanOptionalAction,

@@ -18,9 +18,10 @@ and the MLP for the kept rows alone: on a prefill of N tokens that skips nearly 
 the work, with the same values for the rows that sample.
 
 A CPU decode step is a few small matmuls per layer, so every other op is overhead: rope's cos/sin
-are gathered once per forward and q and k are rotated in one call; float32 norms are one
-``torch.rms_norm``. Each gives the same bits as the formula it replaces
-(``tests/test_decode_fast_path``).
+are gathered once per forward and q and k are rotated in one call (the same bits as the formula
+it replaces, ``tests/test_decode_fast_path``); each norm adds the residual first, in one C++ op
+on CPU (``RMSNorm``). The model never asks how it runs: an eager step and a compiled one
+(``prefixserve.runner.compiled_step``) run this same code over the same step context.
 """
 
 from __future__ import annotations
@@ -33,12 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixserve.attention.backend import AttentionBackend
-from prefixserve.attention.in_graph import IN_GRAPH, InGraph
-from prefixserve.attention.metadata import AttentionMetadata
+from prefixserve.attention.backend import AttentionBackend, AttentionStep
 from prefixserve.core.errors import ModelLoadError
+from prefixserve.kernels import cpu_norm
 from prefixserve.models.config import ModelConfig
-from prefixserve.models.linear import Linear, finalize_linears
+from prefixserve.models.linear import Linear, cpu_kernels_apply, finalize_linears
 from prefixserve.models.moe import (
     SparseMoeBlock,
     expert_shard_view,
@@ -48,29 +48,43 @@ from prefixserve.models.moe import (
 
 logger = logging.getLogger(__name__)
 
-# The rows of the flattened batch whose last-layer output is needed, and attention metadata that
-# describes them as one query token each (None when there are no rows); see ``forward``.
-Keep = tuple[torch.Tensor, AttentionMetadata | None]
+# The rows of the flattened batch whose last-layer output is needed, and the attention step that
+# runs them as one query token each (None when there are no rows); see ``forward``.
+Keep = tuple[torch.Tensor, "AttentionStep | None"]
 # Each token's rope cos and sin, (T, 1, head_dim) each (see ``RotaryEmbedding``).
 Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 class RMSNorm(nn.Module):
-    """RMS normalization over the last dim, computed in float32 and cast back (as transformers).
+    """RMS normalization over the last dim, computed in float32 and cast back (as transformers);
+    given ``residual``, the residual add first: ``(norm(x + residual), x + residual)``.
 
-    In float32 it is ``torch.rms_norm``: one op instead of eight per call, with the same bits
-    (sixty calls per decode step on a 30-layer model, where dispatch overhead is the cost).
+    Float32 weights on CPU take the C++ kernel (``cpu_kernel``, chosen at load by
+    ``LlamaForCausalLM.finalize``; ``prefixserve.kernels.cpu_norm``): one op for the add and the
+    norm, eager and compiled alike, so both give the same bits. Elsewhere float32 is one
+    ``torch.rms_norm`` (the transformers formula's bits).
     """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.cpu_kernel = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.cpu_kernel:
+            if residual is None:
+                return cpu_norm.rms_norm(x, self.weight, self.eps)
+            return cpu_norm.add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 == self.weight.dtype:  # one fused op, bit-equal (tested)
-            if torch.compiler.is_compiling():  # opaque: the eager reduction order, compiled too
-                return torch.ops.prefixserve.rms_norm(x, self.weight, self.eps)
             return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -170,9 +184,8 @@ def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Self-attention of layer ``layer_idx`` over the paged cache. ``attn_metadata`` is the step's
-    ``AttentionMetadata``, or ``IN_GRAPH`` inside a compiled decode step, where attention is one
-    opaque op (``prefixserve.attention.in_graph``)."""
+    """Self-attention of layer ``layer_idx`` over the paged cache. ``step`` is the step context
+    the attention backend planned (``prefixserve.attention.backend``), eager or compiled."""
 
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
                  layer_idx: int):  # fmt: skip
@@ -201,7 +214,7 @@ class Attention(nn.Module):
         rope: Rope,
         x: torch.Tensor,
         kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata | InGraph,
+        step: AttentionStep,
         keep: Keep | None = None,
     ) -> torch.Tensor:  # (T, hidden), or (len(rows), hidden) with keep
         t = x.shape[0]
@@ -211,7 +224,7 @@ class Attention(nn.Module):
             qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)  # (T, nh+nkv, hd)
             q, k = apply_rope(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-            out = self._attend(q, k, v, kv_cache, attn_metadata)
+            out = self.backend.forward(q, k, v, kv_cache, step, self.scale)
             return self.o_proj(out.reshape(t, self.q_size))
         rows = None if keep is None else keep[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -225,18 +238,13 @@ class Attention(nn.Module):
         q_rope = rope if rows is None else (rope[0][rows], rope[1][rows])
         q, k = apply_rope(q, q_rope), apply_rope(k, rope)
         if keep is not None:
-            rows, rows_metadata = keep
-            self.backend.store_kv(k, v, kv_cache, attn_metadata.slot_mapping)
-            if rows_metadata is None:  # no row is kept: the K/V were all this layer had to do
+            rows, rows_step = keep
+            self.backend.store_kv(k, v, kv_cache, step.slot_mapping)
+            if rows_step is None:  # no row is kept: the K/V were all this layer had to do
                 return x.new_empty(0, x.shape[1])
-            k, v, attn_metadata = k[rows], v[rows], rows_metadata
-        out = self._attend(q, k, v, kv_cache, attn_metadata)  # (n, nh, hd)
+            k, v, step = k[rows], v[rows], rows_step
+        out = self.backend.forward(q, k, v, kv_cache, step, self.scale)  # (n, nh, hd)
         return self.o_proj(out.reshape(q.shape[0], self.q_size))
-
-    def _attend(self, q, k, v, kv_cache, attn_metadata) -> torch.Tensor:
-        if attn_metadata is IN_GRAPH:
-            return torch.ops.prefixserve.step_attention(q, k, v, self.layer_idx, self.scale)
-        return self.backend.forward(q, k, v, kv_cache, attn_metadata, self.scale)
 
 
 class MLP(nn.Module):
@@ -271,16 +279,23 @@ class DecoderLayer(nn.Module):
         self,
         rope: Rope,
         h: torch.Tensor,
+        residual: torch.Tensor | None,
         kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
+        step: AttentionStep,
         keep: Keep | None = None,
-    ) -> torch.Tensor:
-        attn = self.self_attn(rope, self.input_layernorm(h), kv_cache, attn_metadata, keep)
-        h = (h if keep is None else h[keep[0]]) + attn
-        x = self.post_attention_layernorm(h)
-        if attn_metadata is IN_GRAPH and isinstance(self.mlp, SparseMoeBlock):
-            return h + torch.ops.prefixserve.step_moe(x, self.self_attn.layer_idx)
-        return h + self.mlp(x)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h, residual)`` -> the next layer's ``(h, residual)``, whose sum is this layer's
+        output (the residual stream): each norm adds the residual first (one op on CPU). The
+        first layer gets ``residual`` None."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        attn = self.self_attn(rope, x, kv_cache, step, keep)
+        if keep is not None:
+            residual = residual[keep[0]]
+        x, residual = self.post_attention_layernorm(attn, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -327,21 +342,22 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_caches: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, nkv, hd]
-        attn_metadata: AttentionMetadata,
+        step: AttentionStep,
         keep: Keep | None = None,
     ) -> torch.Tensor:  # [T, hidden] (or [len(rows), hidden] with keep), after the final norm
-        """Every token's K/V is written in every layer. Without ``keep`` the result holds every
-        token's final hidden state; with ``keep = (rows, rows_metadata)`` only those rows' (the
-        tokens that sample), and the last layer runs its queries, attention, ``o_proj`` and MLP
-        for those rows alone, since no other token's last-layer output is ever read.
-        ``rows_metadata`` describes the kept rows as a batch of one query token each (None when
-        ``rows`` is empty)."""
-        h = self.model.embed_tokens.rows(input_ids)  # (T, hidden)
+        """Every token's K/V is written in every layer. ``step`` is the attention backend's plan
+        of the step (``AttentionBackend.plan``), the one step context every layer reads. Without
+        ``keep`` the result holds every token's final hidden state; with ``keep = (rows,
+        rows_step)`` only those rows' (the tokens that sample), and the last layer runs its
+        queries, attention, ``o_proj`` and MLP for those rows alone, since no other token's
+        last-layer output is ever read. ``rows_step`` is the plan of the kept rows as a batch of
+        one query token each (None when ``rows`` is empty)."""
+        h, residual = self.model.embed_tokens.rows(input_ids), None  # (T, hidden)
         rope = self.model.rotary_emb(positions)  # the same cos/sin for every layer
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
-            h = layer(rope, h, kv_caches[i], attn_metadata, keep if i == last else None)
-        return self.model.norm(h)
+            h, residual = layer(rope, h, residual, kv_caches[i], step, keep if i == last else None)
+        return self.model.norm(h, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -354,11 +370,14 @@ class LlamaForCausalLM(nn.Module):
         """Choose every linear's kernel once the weights are loaded (``linear.finalize_linears``):
         quantized by ``quantization`` or as ``prequantized`` gives them, multiplied on int8
         activations where ``activations`` is "int8"; returns {module: scheme} of the quantized
-        ones. The float weights the kernels replace are dropped."""
+        ones. The float weights the kernels replace are dropped. Norms take the C++ kernel
+        where the linears take ``cpu_linear``'s."""
         done = finalize_linears(
             self, quantization, prequantized, self.source_weight_names, activations
         )
         for name, module in self.named_modules():
+            if isinstance(module, RMSNorm):
+                module.cpu_kernel = cpu_kernels_apply(module.weight.device, module.weight.dtype)
             if isinstance(module, SparseMoeBlock) and (
                 scheme := module.finalize(quantization, activations)
             ):

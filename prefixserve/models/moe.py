@@ -7,11 +7,14 @@ weights are stacked per layer at load, ``gate_up_proj [E, 2I, H]`` (gate rows fi
 them one expert at a time (``mlp.experts.{e}.gate_proj.weight``), mapped here onto slices.
 
 Two implementations compute the same sum, picked per model by the attention backend:
-- ``grouped_experts`` (torch backend, the CPU path): the ``T * top_k`` (token, expert) pairs
+- ``grouped_experts`` (the torch and cpu backends): the ``T * top_k`` (token, expert) pairs
   sorted by expert, then one gate/up and one down matmul per active expert over its contiguous
   run of tokens. Its loop runs on the host, so it reads the per-expert counts back. Once loaded
   (``SparseMoeBlock.finalize``) every expert's two matrices get their own linear kernels
   (``prefixserve.models.linear``), quantized like the other layers under ``--quantization``.
+  The block runs as one opaque op, ``prefixserve::grouped_moe(x, block)``, eager and compiled
+  alike: no graph can hold a host-side loop, so a compiled step calls the op (``block`` names
+  the ``SparseMoeBlock`` in a registry of live blocks, ``_BLOCKS``).
 - ``prefixserve.kernels.fused_moe`` (Triton backend: GPUs, or the interpreter on CPU): the same
   grouped GEMMs in two launches whose shapes depend on ``T`` alone, so CUDA graphs capture them.
   It reads the stacked float weights, so experts stay unquantized on this path (logged).
@@ -19,7 +22,9 @@ Two implementations compute the same sum, picked per model by the attention back
 
 from __future__ import annotations
 
+import itertools
 import logging
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -126,6 +131,21 @@ class Experts(nn.Module):
         return method
 
 
+_BLOCKS: weakref.WeakValueDictionary[int, SparseMoeBlock] = weakref.WeakValueDictionary()
+_block_ids = itertools.count()
+
+
+@torch.library.custom_op("prefixserve::grouped_moe", mutates_args=())
+def grouped_moe(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Sparse block ``block``'s grouped experts on ``x`` [T, hidden] (``SparseMoeBlock``)."""
+    return _BLOCKS[block].grouped(x)
+
+
+@grouped_moe.register_fake
+def _(x, block):
+    return torch.empty_like(x)
+
+
 class SparseMoeBlock(nn.Module):
     """Router (``gate``: ``[E, H]``, a token's router logits are ``x @ gate^T``; a ``Linear``,
     never quantized) and ``experts``; the MLP of a Qwen3-MoE sparse layer.
@@ -140,6 +160,8 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.renormalize = moe.top_k, moe.norm_topk_prob
         self.experts = Experts(moe, hidden_size)
         self.use_triton = use_triton
+        self.block_id = next(_block_ids)
+        _BLOCKS[self.block_id] = self
 
     def finalize(self, method: str | None, activations: str | None = None) -> str | None:
         """After loading: the experts' kernels (the torch path), quantized by ``method`` and
@@ -152,13 +174,17 @@ class SparseMoeBlock(nn.Module):
         return self.experts.to_kernels(method, activations)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
-        topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        w13, w2 = self.experts.matrices()
         if self.use_triton:
             from prefixserve.kernels.fused_moe import fused_moe
 
-            return fused_moe(x, w13, w2, topk_weights, topk_ids)
-        return grouped_experts(x, w13, w2, topk_weights, topk_ids)
+            topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+            return fused_moe(x, *self.experts.matrices(), topk_weights, topk_ids)
+        return torch.ops.prefixserve.grouped_moe(x, self.block_id)
+
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch path: route, then ``grouped_experts`` (host-side counts)."""
+        topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        return grouped_experts(x, *self.experts.matrices(), topk_weights, topk_ids)
 
 
 # Hugging Face per-expert projection -> (stacked parameter, half of it: 0 gate / 1 up / 0 down).

@@ -55,7 +55,7 @@ from prefixserve.attention.metadata import AttentionMetadata, SeqSpan, build_att
 from prefixserve.runner.decode_replay import DecodeReplay
 
 if TYPE_CHECKING:
-    from prefixserve.attention.backend import AttentionBackend
+    from prefixserve.attention.backend import AttentionBackend, AttentionStep
     from prefixserve.attention.triton_backend import TritonAttentionBackend
     from prefixserve.core.config import EngineConfig
     from prefixserve.models.llama import LlamaForCausalLM
@@ -128,7 +128,8 @@ class CUDAGraphRunner(DecodeReplay):
     def _forward(self, bs: int, kv_caches: torch.Tensor) -> None:
         """The decode forward of ``bs`` rows over the static buffers, into ``hidden``."""
         md = self.metadata.first_decodes(bs)  # max_seq_len = max_model_len: fixed splits, tiles
-        self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], kv_caches, md)
+        step = self.backend.plan(md, kv_caches[0])
+        self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], kv_caches, step)
 
     @torch.inference_mode()
     def profile(self) -> int:
@@ -177,15 +178,15 @@ class CUDAGraphRunner(DecodeReplay):
                 used / 2**20,
             )
 
-    def fits(self, md: AttentionMetadata, kv_caches: torch.Tensor) -> bool:
-        """The block tables fit the captured ones, and the step is not a cascade."""
+    def fits(self, md: AttentionMetadata, step: AttentionStep) -> bool:
+        """The block tables fit the captured ones, and the step's plan takes no cascade."""
         return (
             md.block_tables.shape[1] <= self.metadata.block_tables.shape[1]
-            and self.backend.plan(md, kv_caches[0]).cascade is None
+            and md.backend_plan.cascade is None
         )
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
-               md: AttentionMetadata) -> torch.Tensor:  # fmt: skip
+               md: AttentionMetadata, step: AttentionStep) -> torch.Tensor:  # fmt: skip
         """The final hidden states from a graph (a view of ``hidden``, valid until the next
         step)."""
         n = md.num_seqs

@@ -24,7 +24,7 @@ import torch
 from prefixserve.attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
-    from prefixserve.attention.backend import AttentionBackend
+    from prefixserve.attention.backend import AttentionBackend, AttentionStep
     from prefixserve.core.config import EngineConfig
     from prefixserve.models.llama import Keep, LlamaForCausalLM
 
@@ -53,7 +53,7 @@ class DecodeReplay(ABC):
         rows = sum(md.query_lens_cpu)
         return keep is None and md.max_query_len <= self.max_query_len and 0 < rows <= self.largest
 
-    def fits(self, md: AttentionMetadata, kv_caches: torch.Tensor) -> bool:
+    def fits(self, md: AttentionMetadata, step: AttentionStep) -> bool:
         """The runner's own conditions on a step that ``replays`` (none here)."""
         return True
 
@@ -68,19 +68,20 @@ class DecodeReplay(ABC):
         positions: torch.Tensor,
         kv_caches: torch.Tensor,
         md: AttentionMetadata,
+        step: AttentionStep,
         keep: Keep | None,
     ) -> torch.Tensor | None:
         """The step's final hidden states ``[n, hidden]``, or None when the step does not replay
-        (the caller then runs the forward eagerly)."""
-        if not (self.replays(md, keep) and self.fits(md, kv_caches)):
+        (the caller then runs the forward eagerly). ``step`` is the backend's plan of ``md``."""
+        if not (self.replays(md, keep) and self.fits(md, step)):
             return None
-        hidden = self.replay(input_ids, positions, kv_caches, md)
+        hidden = self.replay(input_ids, positions, kv_caches, md, step)
         self.replayed_steps += 1
         return hidden
 
     @abstractmethod
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
-               md: AttentionMetadata) -> torch.Tensor:  # fmt: skip
+               md: AttentionMetadata, step: AttentionStep) -> torch.Tensor:  # fmt: skip
         """Run a step that replays from the capture: its final hidden states."""
 
     def profile(self) -> int:

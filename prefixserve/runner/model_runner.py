@@ -1,13 +1,14 @@
 """Turns a ``SchedulerOutput`` into one forward pass over the flattened batch and returns logits.
 
 Per step: perform the copy-on-write block copies and the segment copies (reused K/V moved to its
-new positions, ``segment_copy``), lay the batch out (decodes first; sequences
-that share leading blocks next to each other, so each prefix group's tokens are one slice), build
-``input_ids`` and the ``AttentionMetadata``, run the model once (a decode step replays a capture
-made at start-up, ``prefixserve.runner.decode_replay``: a CUDA graph, or a compiled step on CPU), and
-compute logits only at the
-last token of every sequence that samples (a speculating sequence: its last token and each of its
-draft tokens, which run right after it). It reads sequences and never changes them.
+new positions, ``segment_copy``), lay the batch out (decodes first; sequences that share leading
+blocks next to each other, so each prefix group's tokens are one slice), build ``input_ids`` and
+the ``AttentionMetadata``, have the attention backend plan the step (the one step context every
+layer reads: ``attention.backend``), run the model once (a decode step replays a capture made at
+start-up, ``prefixserve.runner.decode_replay``: a CUDA graph, or a compiled step on CPU), and
+compute logits only at the last token of every sequence that samples (a speculating sequence:
+its last token and each of its draft tokens, which run right after it). It reads sequences and
+never changes them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import NamedTuple
 
 import torch
 
-from prefixserve.attention.metadata import SeqSpan, build_attention_metadata
+from prefixserve.attention.backend import AttentionStep
+from prefixserve.attention.metadata import AttentionMetadata, SeqSpan, build_attention_metadata
 from prefixserve.attention.selector import get_attention_backend
 from prefixserve.core.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
 from prefixserve.core.errors import CacheCapacityError, InvalidArgumentError
@@ -30,6 +32,7 @@ from prefixserve.runner.decode_replay import create_decode_replay
 from prefixserve.runner.segment_copy import copy_segments
 
 logger = logging.getLogger(__name__)
+
 
 class ModelRunnerOutput(NamedTuple):
     """``samplers``: the scheduled sequences that sample this step; ``samplers[i]`` owns
@@ -162,19 +165,20 @@ class ModelRunner:
             row_spans = [SeqSpan(table, start + n - s.num_sample_rows, s.num_sample_rows)
                          for i, s in zip(last, batch) if s.samples
                          for table, start, n in (spans[i],)]  # fmt: skip
-            row_meta = (
-                build_attention_metadata(row_spans, self.block_size, self.device)[1]
+            row_step = (
+                self._plan(build_attention_metadata(row_spans, self.block_size, self.device)[1])
                 if row_spans
                 else None
             )
-            keep = (torch.tensor(sample_rows, dtype=torch.int64, device=self.device), row_meta)
+            keep = (torch.tensor(sample_rows, dtype=torch.int64, device=self.device), row_step)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        step = self._plan(meta)  # the step context every layer reads
         t1 = time.perf_counter()
         hidden = None
         if self.decode_replay is not None:  # a decode step replays its capture
-            hidden = self.decode_replay.run(ids, positions, self.kv_caches, meta, keep)
+            hidden = self.decode_replay.run(ids, positions, self.kv_caches, meta, step, keep)
         if hidden is None:
-            hidden = self.model(ids, positions, self.kv_caches, meta, keep)
+            hidden = self.model(ids, positions, self.kv_caches, step, keep)
         if keep is None and len(sample_rows) < len(input_ids):
             logits = self.model.compute_logits(hidden[sample_rows])
         else:
@@ -182,6 +186,9 @@ class ModelRunner:
         prompt_logits = [(s, self.model.compute_logits(hidden[first : first + n]))
                          for s, first, n in scored]  # fmt: skip
         return ModelRunnerOutput(samplers, logits, t1 - t0, time.perf_counter() - t1, prompt_logits)
+
+    def _plan(self, meta: AttentionMetadata) -> AttentionStep:
+        return self.attn_backend.plan(meta, self.kv_caches[0])
 
 
 def _check_batch_invariant(model: torch.nn.Module) -> None:
