@@ -81,23 +81,17 @@ class StepLimits:
                    config.max_stop_string_chars)  # fmt: skip
 
 
+@dataclass(frozen=True, eq=False)
 class RequestPreprocessor:
     """Tokenizes and validates requests for one engine (its tokenizer, vocabulary, context and
-    step limits) and submits their grammars to its ``StructuredOutputManager``."""
+    step limits) and submits their grammars to its ``StructuredOutputManager``. Holds no state
+    of its own past these (thread-safe as they are)."""
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        vocab_size: int,
-        max_model_len: int,
-        limits: StepLimits,
-        structured_outputs: StructuredOutputManager,
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
-        self.limits = limits
-        self.structured_outputs = structured_outputs
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
+    limits: StepLimits
+    structured_outputs: StructuredOutputManager
 
     def process(self, prompt: str | list[int], params: Params) -> PreparedRequest:
         """The prepared request, or a typed error naming what to change."""
