@@ -105,7 +105,7 @@ def test_sampling_and_config_fields():
                   metadata={"user_id": "u"}, output_config={"effort": "high"},
                   context_management={"edits": [{"type": "clear_thinking_20251015"}]})  # fmt: skip
     body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
-    options = MessagesRequest(**body, **fields).sampling_options()
+    options = MessagesRequest(**body, **fields).sampling_options().params
     assert (options.stop, options.temperature, options.top_p, options.top_k) == (
         ["END"], 0.2, 0.9, 5)  # fmt: skip
     req = chat(**fields)

@@ -82,11 +82,11 @@ def _request(**fields) -> ChatCompletionRequest:
 )
 def test_beam_search_refuses_sampling_controls_it_would_ignore(fields, param):
     with pytest.raises(APIError) as info:
-        BaseServing._check_beam_search(_request(**fields), None, None)
+        BaseServing._check_beam_search(_request(**fields).sampling_options(), None, None)
     assert info.value.param == param and info.value.status == 400
 
 
 def test_beam_search_accepts_neutral_values_and_a_seed():
     neutral = {"temperature": 0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "seed": 7,
                "presence_penalty": 0.0, "repetition_penalty": 1.0}  # fmt: skip
-    BaseServing._check_beam_search(_request(**neutral), None, None)
+    BaseServing._check_beam_search(_request(**neutral).sampling_options(), None, None)

@@ -64,8 +64,8 @@ class MessagesRequest(CountTokensRequest):
         """This request's sampling fields, as the shared front half takes them."""
         fields = self.model_dump(include={
             "temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty", "ignore_eos",
-            "min_tokens", "cache_salt", "segment_reuse"})  # fmt: skip
-        return SamplingOptions(**fields, stop=self.stop_sequences)
+            "min_tokens", "cache_salt", "segment_reuse"}, exclude_unset=True)  # fmt: skip
+        return SamplingOptions.of(**fields, stop=self.stop_sequences)
 
 
 class CacheCreation(BaseModel):

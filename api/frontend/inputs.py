@@ -134,8 +134,10 @@ class TemplateServing(BaseServing):
             self.reasoning_parser, tail))  # fmt: skip
         retention, tenant = request.retention, request.tenant
         if mode is not ToolMode.NONE and request.request_id and not sampling.use_beam_search:
-            retention += self.tool_calls.pause(request.request_id, tenant, sampling.cache_salt)
-        resumes = self.tool_calls.resumes(tenant, sampling.cache_salt, request.tool_results)
+            retention += self.tool_calls.pause(
+                request.request_id, tenant, sampling.params.cache_salt
+            )
+        resumes = self.tool_calls.resumes(tenant, sampling.params.cache_salt, request.tool_results)
         params = self.make_params(sampling, request.max_tokens, request.logprobs, grammar,
                                   request.prompt_logprobs, tenant, retention, resumes)  # fmt: skip
         if mode is not ToolMode.NONE and hasattr(params, "skip_special_tokens"):

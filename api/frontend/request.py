@@ -1,48 +1,71 @@
 """One typed request from every protocol: what the shared front half (``TemplateServing.prepare``)
 turns into engine inputs. Each protocol builds it from its own schema (chat and text
-completions: ``_SamplingFields.sampling_options``; Responses and Messages from their fields);
-none builds another protocol's request object for it, and the front half reads nothing else.
+completions: ``_SamplingFields.sampling_options``; Responses and Messages from their fields; all
+through ``SamplingOptions.of``): none builds another protocol's request object for it, and the
+front half reads nothing else.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from prefixserve.api.frontend.protocol import ToolRequest
+from prefixserve.api.frontend.protocol import APIError, ToolRequest
 from prefixserve.api.frontend.tenancy import NO_TENANT, Tenant
+from prefixserve.core.errors import InvalidArgumentError
+from prefixserve.core.sampling_params import SamplingParams
 from prefixserve.kv.retention import KVRetention
 from prefixserve.structured_outputs.params import StructuredOutputsParams
+
+FRONT_HALF_FIELDS = frozenset({"max_tokens", "logprobs", "structured_outputs", "prompt_logprobs",
+                               "kv_retention", "kv_resume", "output_kind"})  # fmt: skip
+"""``SamplingParams`` fields the front half sets itself (from the request's limits, formats,
+tenant and retention), never a protocol's sampling options."""
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingOptions:
-    """A request's sampling fields in vLLM's names; None where the request left one out (the
-    engine's default then applies). ``use_beam_search`` with ``length_penalty``: beam search of
-    width ``n`` (the other options must stay neutral)."""
+    """A request's sampling fields: ``params`` holds those it gave (vLLM's names and checks, the
+    engine's defaults for the rest) and ``given`` their names; ``use_beam_search`` with
+    ``length_penalty``: beam search of width ``params.n`` (the other options must stay neutral).
 
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    cache_salt: str | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    truncate_prompt_tokens: int | None = None
-    segment_reuse: bool | None = None
+    Invariant: ``params`` sets none of ``FRONT_HALF_FIELDS`` (``max_tokens`` is None) and is
+    never mutated: the front half derives each request's parameters from a copy.
+    """
+
+    params: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=None))
+    given: frozenset[str] = frozenset()
     use_beam_search: bool = False
     length_penalty: float = 1.0
+
+    @classmethod
+    def of(cls, use_beam_search: bool = False, length_penalty: float = 1.0, **fields: Any):
+        """The options of a protocol's sampling ``fields`` (a field left out or None takes the
+        engine's default). A value the engine refuses is a 400 naming its field; a key of
+        ``logit_bias`` that is not a token id too (OpenAI sends them as strings)."""
+        given = {name: value for name, value in fields.items() if value is not None}
+        owned = FRONT_HALF_FIELDS.intersection(given)
+        if owned:
+            raise TypeError(f"sampling options may not set {sorted(owned)}")
+        if "logit_bias" in given:
+            given["logit_bias"] = _logit_bias(given["logit_bias"])
+        try:
+            params = SamplingParams(max_tokens=None, **given)
+        except InvalidArgumentError as exc:
+            raise APIError(str(exc), 400, exc.param) from exc
+        return cls(params, frozenset(given), use_beam_search, length_penalty)
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise APIError(
+                f"logit_bias: {key!r} is not a token id; the keys are token ids", 400, "logit_bias"
+            ) from None
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -24,7 +25,7 @@ from prefixserve.api.frontend.request import SamplingOptions
 from prefixserve.api.frontend.tenancy import NO_TENANT, Tenant
 from prefixserve.core.errors import CacheCapacityError, InvalidArgumentError
 from prefixserve.core.outputs import RequestOutput
-from prefixserve.core.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from prefixserve.core.sampling_params import BeamSearchParams, RequestOutputKind
 from prefixserve.kv.retention import KVRetention
 from prefixserve.structured_outputs.params import StructuredOutputsParams
 
@@ -92,7 +93,7 @@ class BaseServing:
 
     def make_params(
         self,
-        req: SamplingOptions,
+        options: SamplingOptions,
         max_tokens: int | None,
         logprobs: int | None,
         structured_outputs: StructuredOutputsParams | None = None,
@@ -101,10 +102,11 @@ class BaseServing:
         kv_retention: tuple[KVRetention, ...] = (),
         kv_resume: tuple[str, ...] = (),
     ):
-        """Engine parameters of a request's sampling options ``req`` (the engine checks them
+        """Engine parameters of a request's sampling ``options`` (the engine checks them
         against the context and the vocabulary); its cache salt is the ``tenant``'s
         (``frontend.tenancy``); ``kv_retention``: the prompt KV it keeps (not with beam
         search); ``kv_resume``: the retention sessions it continues."""
+        req = options.params
         if self.require_cache_salt and not req.cache_salt:
             raise APIError(
                 "cache_salt: this server requires a non-empty 'cache_salt' on every request "
@@ -112,50 +114,32 @@ class BaseServing:
                 400,
                 "cache_salt",
             )
+        cache_salt = tenant.cache_salt(req.cache_salt)
         try:
-            if req.use_beam_search:
-                self._check_beam_search(req, logprobs, prompt_logprobs)
+            if options.use_beam_search:
+                self._check_beam_search(options, logprobs, prompt_logprobs)
                 if kv_retention:
                     raise APIError("prompt_cache_retention: not supported with use_beam_search",
                                    400, "prompt_cache_retention")  # fmt: skip
                 return BeamSearchParams(
                     beam_width=req.n,
                     max_tokens=max_tokens,
-                    length_penalty=req.length_penalty,
+                    length_penalty=options.length_penalty,
                     ignore_eos=req.ignore_eos,
-                    cache_salt=tenant.cache_salt(req.cache_salt),
-                    stop_token_ids=list(req.stop_token_ids or []),
+                    cache_salt=cache_salt,
+                    stop_token_ids=req.stop_token_ids,
                     structured_outputs=structured_outputs,
                     stop=req.stop,
                     include_stop_str_in_output=req.include_stop_str_in_output,
                     skip_special_tokens=req.skip_special_tokens,
                 )
-            return SamplingParams(
-                n=req.n,
+            return dataclasses.replace(
+                req,
                 max_tokens=max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=0 if req.top_k is None else req.top_k,
-                min_p=0.0 if req.min_p is None else req.min_p,
-                seed=req.seed,
-                stop=req.stop,
-                stop_token_ids=req.stop_token_ids,
                 logprobs=logprobs,
-                ignore_eos=req.ignore_eos,
-                min_tokens=req.min_tokens,
-                presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty,
-                repetition_penalty=req.repetition_penalty,
-                cache_salt=tenant.cache_salt(req.cache_salt),
-                skip_special_tokens=req.skip_special_tokens,
-                include_stop_str_in_output=req.include_stop_str_in_output,
                 structured_outputs=structured_outputs,
                 prompt_logprobs=prompt_logprobs,
-                logit_bias=_logit_bias(req.logit_bias),
-                allowed_token_ids=req.allowed_token_ids,
-                bad_words=req.bad_words,
-                truncate_prompt_tokens=req.truncate_prompt_tokens,
-                segment_reuse=req.segment_reuse,
+                cache_salt=cache_salt,
                 kv_retention=kv_retention,
                 kv_resume=kv_resume,
             )
@@ -164,16 +148,17 @@ class BaseServing:
 
     @staticmethod
     def _check_beam_search(
-        req: SamplingOptions, logprobs: int | None, prompt_logprobs: int | None
+        options: SamplingOptions, logprobs: int | None, prompt_logprobs: int | None
     ) -> None:
         """Beam search scores with the raw model: options it would not honour are refused
         (sampling controls at values other than their neutral ones included; ``seed`` is
         accepted, the search being deterministic)."""
+        req = options.params
         given = {
-            "temperature": req.temperature not in (None, 0),
-            "top_p": req.top_p not in (None, 1),
-            "top_k": req.top_k not in (None, 0, -1),
-            "min_p": req.min_p not in (None, 0),
+            "temperature": "temperature" in options.given and req.temperature != 0,
+            "top_p": req.top_p != 1,
+            "top_k": req.top_k != 0,
+            "min_p": req.min_p != 0,
             "presence_penalty": req.presence_penalty != 0,
             "frequency_penalty": req.frequency_penalty != 0,
             "repetition_penalty": req.repetition_penalty != 1,
@@ -266,21 +251,6 @@ class BaseServing:
 
 def request_ids(generation: Generation) -> str:
     return ", ".join(s.request_id for s in generation.streams)
-
-
-def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    """OpenAI sends token ids as JSON object keys (strings)."""
-    if bias is None:
-        return None
-    out = {}
-    for key, value in bias.items():
-        try:
-            out[int(key)] = value
-        except ValueError:
-            raise APIError(
-                f"logit_bias: {key!r} is not a token id; the keys are token ids", 400, "logit_bias"
-            ) from None
-    return out
 
 
 async def _wait_disconnect(raw_request: Request) -> None:

@@ -15,8 +15,8 @@ from typing import Any, Generic, Literal, TypeVar
 from pydantic import BaseModel, Field, StrictBool
 
 from prefixserve.api.frontend.protocol import APIError, Lenient, ToolRequest, random_id
-from prefixserve.api.frontend.request import SamplingOptions
-from prefixserve.core.sampling_params import MAX_LOGPROBS
+from prefixserve.api.frontend.request import FRONT_HALF_FIELDS, SamplingOptions
+from prefixserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16
 """Most choices (``n``, or beams) one request may ask for."""
@@ -85,10 +85,11 @@ class _SamplingFields(Lenient):
 
     def sampling_options(self) -> SamplingOptions:
         """This request's sampling fields, as the shared front half takes them."""
-        return SamplingOptions(**self.model_dump(include=_SAMPLING_OPTIONS))
+        return SamplingOptions.of(**self.model_dump(include=_SAMPLING_OPTIONS, exclude_unset=True))
 
 
-_SAMPLING_OPTIONS = {f.name for f in dataclasses.fields(SamplingOptions)}
+_SAMPLING_OPTIONS = {f.name for f in dataclasses.fields(SamplingParams)} - FRONT_HALF_FIELDS | {
+    "use_beam_search", "length_penalty"}  # fmt: skip
 
 
 class ChatCompletionRequest(_SamplingFields):

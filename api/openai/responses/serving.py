@@ -166,9 +166,9 @@ class ResponsesServing(TemplateServing):
         prompt, items = await asyncio.to_thread(self._fitted_prompt, req, prev,
                                                 history + new_items, offered.functions)  # fmt: skip
         logprobs = (req.top_logprobs or 0) if LOGPROBS in (req.include or []) else None
-        sampling = SamplingOptions(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                   cache_salt=req.cache_salt,
-                                   segment_reuse=req.segment_reuse)  # fmt: skip
+        sampling = SamplingOptions.of(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                                      cache_salt=req.cache_salt,
+                                      segment_reuse=req.segment_reuse)  # fmt: skip
         response_id = random_id("resp_")
         retention = retention_of(req.prompt_cache_retention, retention_session(
             tenant.namespace(req.cache_salt), response_id), tenant.owner)  # fmt: skip
