@@ -309,3 +309,15 @@ def test_internal_misuse_asserts_bad_configuration_raises() -> None:
         KVCacheManager(4, 0)
     with pytest.raises(InvalidArgumentError):
         KVCacheManager(4, 4, watermark=1.0)
+
+
+def test_segment_sources_are_blocks_a_finished_step_wrote() -> None:
+    mgr = make(8)
+    tokens = list(range(8))
+    hs = hashes_of(tokens)
+    admit(mgr, "a", tokens)  # registered in this step: its K/V is not written yet
+    assert [mgr.segment_source()(h) for h in hs] == [None, None]
+    mgr.commit_step()
+    find = mgr.segment_source()
+    assert [find(h).block_id for h in hs] == mgr.get_block_table("a")[:2]
+    assert find(hashes_of([9, 9, 9, 9])[0]) is None  # a hash the pool does not hold

@@ -28,7 +28,7 @@ TOKENIZER = builtin_tokenizer()
 def make_scheduler(num_blocks: int, watermark: float = 0.0, **config) -> Scheduler:
     config.setdefault("block_size", BS)
     kv = KVCacheManager(num_blocks, BS, config.get("enable_prefix_caching", True), watermark)
-    return Scheduler(EngineConfig(**config), kv, StopChecker(frozenset({EOS})))
+    return Scheduler(EngineConfig(**config), kv, StopChecker(frozenset({EOS})), None)
 
 
 def make_request(rid: str, prompt: list[int], max_tokens: int = 8, **params) -> Request:

@@ -133,9 +133,9 @@ class LLMEngine:
             kv_events=self.kv_events,
             tiers=self.kv_tiers,
             retention=retention,
-            segments=self._segment_reuse(config),
         )
-        self.scheduler = Scheduler(config, kv_cache_manager, StopChecker(self.eos_token_ids))
+        self.scheduler = Scheduler(config, kv_cache_manager, StopChecker(self.eos_token_ids),
+                                   self._segment_reuse(config))  # fmt: skip
         self.structured_outputs = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
         )

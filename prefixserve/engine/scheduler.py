@@ -13,7 +13,9 @@ load is a miss: those tokens are computed). With segment reuse (``segment_reuse`
 prompt past its prefix hit may continue with segments computed in other prompts: their K/V is
 copied at admission (``SchedulerOutput.segment_copies``, all spans at once), a share of each
 is recomputed, and its sequence runs the stretches between reused spans as the pieces of one
-step (``ScheduledSeq.pieces``), stepping over the spans (``Sequence.reuse_spans``). Retention a
+step (``ScheduledSeq.pieces``), stepping over the spans (``Sequence.reuse_spans``); the
+scheduler owns the segment index (``segments``): it plans from it and records each exactly
+computed prompt in it. Retention a
 request carries (``SamplingParams.kv_retention``) is applied to its prompt once the prompt is computed (so its
 first output reports what was granted, ``RequestOutput.kv_retained_tokens``), and to its output
 (``include_output``) when it is retired; a pause on a tool call (``ttl_s`` None) only to a reply
@@ -51,7 +53,7 @@ from prefixserve.core.sequence import Request, RequestStatus, Sequence
 from prefixserve.engine.request_lifecycle import RequestLifecycle
 from prefixserve.engine.stop_checker import StopChecker
 from prefixserve.kv.kv_cache_manager import KVCacheManager, PrefixHit
-from prefixserve.kv.segments import SegmentPlan
+from prefixserve.kv.segments import SegmentPlan, SegmentReuse
 from prefixserve.sample.sampling_step import SamplingResult
 from prefixserve.spec_decode.proposer import DraftProposer
 
@@ -99,10 +101,15 @@ class KVUsage:
 
 class Scheduler:
     def __init__(
-        self, config: EngineConfig, kv_cache_manager: KVCacheManager, stop_checker: StopChecker
+        self,
+        config: EngineConfig,
+        kv_cache_manager: KVCacheManager,
+        stop_checker: StopChecker,
+        segments: SegmentReuse | None,
     ) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.segments = segments if config.enable_prefix_caching else None  # segment_reuse
         spec = config.speculative_config
         self.proposer = DraftProposer(spec) if spec is not None else None
         self.lifecycle = RequestLifecycle(config, kv_cache_manager, stop_checker, self.proposer)
@@ -377,10 +384,11 @@ class Scheduler:
             reused = plan.num_reused_tokens if plan is not None else 0
             hits.append(hit.num_tokens + reused)
             if plan is not None:  # its blocks before the first reused one are exact
+                assert self.segments is not None
+                self.segments.admitted(plan)
                 bs = self.block_size
                 exact = spans[0][0] // bs * bs if spans else seq.num_prompt_tokens
-                self.kv.record_segments(seq.token_ids, seq.block_hashes, exact,
-                                        request.extra_keys)  # fmt: skip
+                self.segments.record(seq.token_ids, seq.block_hashes, exact, request.extra_keys)
             budget -= n
         out.block_copies.extend(tail_copies)
         out.segment_copies.extend(segment_copies)
@@ -397,14 +405,15 @@ class Scheduler:
         request that reads the prefix cache with segment reuse on and not opted out (one
         sequence, no beams, chunked prefill on); None otherwise."""
         config = self.config
-        use = (config.segment_reuse and self.enable_caching and config.enable_chunked_prefill
+        use = (self.segments is not None and config.enable_chunked_prefill
                and getattr(request.params, "segment_reuse", None) is not False
                and not request.is_beam_search and request.num_prompt_logprobs is None
                and len(request.live_seqs()) == 1)  # fmt: skip
         if not use:
             return None
-        return self.kv.find_segments(seq.token_ids, start, seq.num_prompt_tokens - 1,
-                                     request.extra_keys, config.segment_recompute_ratio)  # fmt: skip
+        return self.segments.plan(seq.token_ids, start, seq.num_prompt_tokens - 1,
+                                  request.extra_keys, config.segment_recompute_ratio,
+                                  self.kv.segment_source())  # fmt: skip
 
     def _roll_back(self, admitted: list[ScheduledSeq]) -> None:
         for sched in admitted:
@@ -536,7 +545,7 @@ class Scheduler:
             prompt_tokens=self.prompt_tokens,
             computed_prompt_tokens=self.lifecycle.computed_prompt_tokens,
             generation_tokens=self.lifecycle.generation_tokens,
-            kv_cache=self.kv.stats(),
+            kv_cache={**self.kv.stats(), **(self.segments.stats() if self.segments else {})},
         )
 
     def kv_usage(self) -> KVUsage:

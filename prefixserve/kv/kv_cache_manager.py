@@ -36,16 +36,16 @@ With ``tiers`` (``prefixserve.kv.tiers.KVTierManager``), full blocks continue be
     commit_step()                         the step's new blocks are written through to the
                                           disk and shared tiers; evicted ones go to the host tier
 
-With ``segments`` (``prefixserve.kv.segments.SegmentReuse``), K/V is reused past the prefix too::
+With segment reuse (the scheduler's ``prefixserve.kv.segments.SegmentReuse`` plans), K/V is
+reused past the prefix too::
 
-    find_segments(tokens, start, end, keys, ratio)   the spans after a prefix hit served from the
-                                          segment index (no side effects)
+    segment_source()                      the planner's ``find_block`` now: blocks a finished
+                                          step wrote
     allocate_for_prompt(..., plan=, segment_copies=)  blocks through the last span, the spans'
                                           sources pinned until the step ends, their copies
                                           listed for the runner; the sequence's blocks from
                                           the first reused one on are never registered (their
                                           K/V is approximate), nor its tail
-    record_segments(tokens, hashes, end, keys)   index the exactly computed segments
 
 A loaded block is registered only after its K/V was copied into it, outside any step's
 journal: a failed step cannot unregister it, and a failed load registers nothing. A copy-in that
@@ -74,7 +74,7 @@ from prefixserve.core.errors import InvalidArgumentError
 from prefixserve.kv.block_pool import BlockPool, KVBlock
 from prefixserve.kv.hashing import BlockHash, BlockKey, ExtraKeys
 from prefixserve.kv.partial_tail import tail_key
-from prefixserve.kv.segments import SegmentCopy, SegmentPlan, SegmentReuse
+from prefixserve.kv.segments import FindBlock, SegmentCopy, SegmentPlan
 
 if TYPE_CHECKING:
     from prefixserve.kv.kv_events import KVEventRecorder
@@ -130,7 +130,6 @@ class KVCacheManager:
         kv_events: KVEventRecorder | None = None,
         tiers: KVTierManager | None = None,
         retention: RetentionTable | None = None,
-        segments: SegmentReuse | None = None,
     ) -> None:
         if block_size <= 0:
             raise InvalidArgumentError(
@@ -144,7 +143,6 @@ class KVCacheManager:
         self.watermark_blocks = int(watermark * num_blocks)
         self.tiers = tiers if enable_prefix_caching else None
         self.retention = retention
-        self.segments = segments if enable_prefix_caching else None
         watched = self.tiers is not None or retention is not None
         self.pool = BlockPool(
             num_blocks,
@@ -266,7 +264,7 @@ class KVCacheManager:
             copies.append((tail.block_id, blocks[len(hit.blocks)].block_id))
             state.pinned_tail = tail
         if spans:
-            assert segment_copies is not None and self.segments is not None
+            assert segment_copies is not None and self.enable_prefix_caching
             bs = self.block_size
             for span in spans:
                 dst = [blocks[p // bs].block_id * bs + p % bs for p in range(span.start, span.end)]
@@ -274,44 +272,22 @@ class KVCacheManager:
                                                   span.start))  # fmt: skip
             state.max_registered = spans[0].start // bs
             state.pinned_sources = sources
-        if plan is not None and self.segments is not None:
-            self.segments.admitted(plan)
         if state.pinned_tail is not None or spans:
             self._pinned.append(state)
         self._query_tokens += hit.num_query_tokens
         self._hit_tokens += hit.num_tokens
         return True
 
-    def find_segments(
-        self,
-        token_ids: Sequence[int],
-        start: int,
-        end: int,
-        extra_keys: ExtraKeys,
-        ratio: float,
-    ) -> SegmentPlan | None:
-        """The segment spans of ``token_ids[start:end]`` (``SegmentReuse.plan``): sources are
-        blocks a finished step wrote, never one registered in this step. None without segments."""
-        if self.segments is None:
-            return None
+    def segment_source(self) -> FindBlock:
+        """``SegmentReuse.plan``'s ``find_block`` for this moment: the pool's block with a hash,
+        if a finished step wrote it (never one registered in this step, not written yet)."""
         this_step = {id(b) for b, _ in self._step_blocks}
 
         def find(block_hash: BlockHash) -> KVBlock | None:
             block = self.pool.hashed_block(block_hash)
             return block if block is not None and id(block) not in this_step else None
 
-        return self.segments.plan(token_ids, start, end, extra_keys, ratio, find)
-
-    def record_segments(
-        self,
-        token_ids: Sequence[int],
-        block_hashes: Sequence[BlockHash],
-        end: int,
-        extra_keys: ExtraKeys,
-    ) -> None:
-        """Index the segments of ``token_ids[:end]``, a prompt computed exactly that far."""
-        if self.segments is not None:
-            self.segments.record(token_ids, block_hashes, end, extra_keys)
+        return find
 
     def append_slots(
         self, seq_id: SeqId, num_computed_tokens: int, num_new_tokens: int
@@ -651,7 +627,6 @@ class KVCacheManager:
             "tier_loaded_blocks": self._loaded_blocks,
             "tier_load_failures": self._failed_load_blocks,
             **(self.retention.stats() if self.retention is not None else {}),
-            **(self.segments.stats() if self.segments is not None else {}),
         }
 
     def _unpin(self, state: _SeqState) -> None:
