@@ -127,14 +127,36 @@ class RequestStream:
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:
-            item = await self._next()
-            if isinstance(item, RequestOutput) and item.finished and item.error is not None:
-                item = RequestFailedError(f"the engine failed this request: {item.error}")
+            item = self._settle(await self._next())
             if isinstance(item, BaseException):
-                self.finished = True
                 raise item
-            self.finished = item.finished
             yield item
+
+    async def get(self, timeout: float | None = None) -> RequestOutput | BaseException | None:
+        """The next item as iteration gives it, its error returned rather than raised; None
+        after ``timeout`` seconds without one (the item stays queued). Past the deadline, the
+        ``RequestTimeoutError`` leaves the stream unfinished, as iteration does: the request is
+        still to be aborted."""
+        try:
+            if timeout is None:
+                return self._settle(await self._next())
+            return self._settle(await asyncio.wait_for(self._next(), timeout))
+        except asyncio.TimeoutError:
+            return None
+        except RequestTimeoutError as exc:
+            return exc
+
+    def get_nowait(self) -> RequestOutput | BaseException | None:
+        """``get`` of an item already queued; None when none is."""
+        return None if self.queue.empty() else self._settle(self.queue.get_nowait())
+
+    def _settle(self, item: RequestOutput | BaseException) -> RequestOutput | BaseException:
+        """An item as it leaves the stream: a finished output carrying an engine error becomes
+        ``RequestFailedError``; a finished output or an error ends the stream."""
+        if isinstance(item, RequestOutput) and item.finished and item.error is not None:
+            item = RequestFailedError(f"the engine failed this request: {item.error}")
+        self.finished = isinstance(item, BaseException) or item.finished
+        return item
 
     async def _next(self) -> RequestOutput | BaseException:
         if self.deadline is None:
@@ -165,6 +187,7 @@ class Generation:
         self._wake = asyncio.Event()
         self._remaining = len(streams)
         self._pumps: list[asyncio.Task] | None = None  # started by the first read
+        self._held: list[BaseException] = []  # of one request: its error, read behind an output
 
     async def _pump(self, index: int, stream: RequestStream) -> None:
         try:
@@ -189,6 +212,8 @@ class Generation:
         ``StopAsyncIteration`` once every request finished."""
         if self._remaining == 0:
             raise StopAsyncIteration
+        if len(self.streams) == 1 and isinstance(self.streams[0], RequestStream):
+            return await self._next_of_one(timeout)
         if self._pumps is None:
             self._pumps = [
                 asyncio.create_task(self._pump(i, s)) for i, s in enumerate(self.streams)
@@ -214,6 +239,29 @@ class Generation:
             raise item
         self._remaining -= item.finished
         return index, item
+
+    async def _next_of_one(self, timeout: float | None) -> tuple[int, RequestOutput] | None:
+        """``next`` of a generation of one request, read from its stream without a pump task:
+        one task wake-up per output instead of two (the event loop's hops per streamed token
+        are what a step waits for, see ``AsyncEngine``). Outputs already queued behind the
+        first are taken with it, as the pumps' ``_ready`` would."""
+        stream = self.streams[0]
+        item = self._held.pop() if self._held else await stream.get(timeout)
+        if item is None:
+            return None
+        delta = stream.output_kind is RequestOutputKind.DELTA
+        while isinstance(item, RequestOutput) and not item.finished:
+            later = stream.get_nowait()
+            if later is None:
+                break
+            if isinstance(later, BaseException):
+                self._held.append(later)
+                break
+            item = item.add(later) if delta else later
+        if isinstance(item, BaseException):
+            raise item
+        self._remaining -= item.finished
+        return 0, item
 
     def close(self) -> None:
         """Stop reading and abort every request not finished (idempotent)."""

@@ -13,6 +13,7 @@ from prefixserve.api.engine_client import (
     EngineClient,
     EngineOverloadedError,
     RequestStream,
+    RequestTimeoutError,
 )
 from prefixserve.api.frontend.protocol import APIError
 from prefixserve.core.outputs import CompletionOutput, RequestOutput
@@ -130,3 +131,36 @@ def test_a_refused_add_aborts_those_added_and_a_full_queue_adds_nothing():
     assert refused.aborted == ["r-0", "r-1"]
     full = asyncio.run(main(Client(queue_full=True)))
     assert full.streams == [] and full.aborted == []
+
+
+def test_one_request_is_read_without_a_pump_task_and_its_error_follows_its_outputs():
+    async def main():
+        client = Client()
+        generation = await client.generate("r", [params()])
+        (stream,) = client.streams
+        stream.queue.put_nowait(out("r-0", "a"))
+        stream.queue.put_nowait(out("r-0", "b"))
+        stream.queue.put_nowait(APIError("boom", 500))
+        tasks = len(asyncio.all_tasks())
+        _, first = await generation.next()
+        assert len(asyncio.all_tasks()) == tasks  # no task between the stream and its reader
+        with pytest.raises(APIError, match="boom"):
+            await generation.next()
+        generation.close()
+        return first, client.aborted
+
+    first, aborted = asyncio.run(main())
+    assert first.outputs[0].text == "ab" and aborted == []  # the error ended the request
+
+
+def test_one_request_past_its_deadline_is_a_408_and_closing_aborts_it():
+    async def main():
+        client = Client()
+        generation = await client.generate("r", [params()], timeout=0.01)
+        with pytest.raises(RequestTimeoutError):
+            async with generation:
+                async for _ in generation:
+                    pass
+        return client.aborted
+
+    assert asyncio.run(main()) == ["r-0"]
