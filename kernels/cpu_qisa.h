@@ -30,8 +30,10 @@ constexpr int64_t kBlock = 32;   // inputs per weight group and per activation b
 constexpr int kMaxRows = 8;      // rows of x held in registers at once
 // How far ahead of its loads a tile asks for weight lines (into the next blocks, which the same
 // thread takes next): the hardware prefetcher alone falls behind when a tile of several rows
-// spends longer on each line.
-constexpr int64_t kPrefetchBytes = 4096;
+// spends longer on each line, and at one row 4 KiB ahead was too close: one thread over
+// SmolLM2-135M's int4 layers read 29 GB/s with 4 KiB and 33 with 8 KiB, its int8 lm_head 49 and
+// 56 GB/s (2026-12-06, docs/cpu-decode.md).
+constexpr int64_t kPrefetchBytes = 8192;
 
 // Each row of x, quantized once per call: codes [M, K], and per block (m, g) its scale d, the
 // sum of its codes Q, and d * float(Q) (what an int4 shift multiplies); per half block (m, h), of
