@@ -8,6 +8,8 @@ zero and never written out); ``block_rows`` reads rows back (an embedding lookup
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 LANES = 16
@@ -24,9 +26,27 @@ def _blocks(t: torch.Tensor) -> torch.Tensor:
     return t.movedim(1, -1).contiguous()
 
 
+HUGE_PAGE = 2 << 20
+
+
+def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in anonymous memory aligned to 2 MiB that the kernel is asked to back with
+    transparent huge pages (``MADV_HUGEPAGE``; this machine's default is ``madvise``); ``t``
+    itself where it is smaller than one such page or the platform has no ``madvise``."""
+    if t.nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return t
+    buf = mmap.mmap(-1, t.nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)  # shared: never huge
+    buf.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(buf, dtype=torch.uint8)  # holds buf
+    start = -raw.data_ptr() % HUGE_PAGE
+    out = raw[start : start + t.nbytes].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
 def pack_f32(weight: torch.Tensor) -> torch.Tensor:
     """``[N, K]`` float32 -> ``[NB, K, 16]``."""
-    return _blocks(weight.float())
+    return on_huge_pages(_blocks(weight.float()))
 
 
 def pack_int8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -93,6 +93,21 @@ def test_a_token_is_bit_identical_alone_in_any_batch_and_any_chunking():
         first += m
 
 
+def test_the_work_split_by_thread_count_leaves_the_bits_unchanged():
+    """Three tokens: one thread takes each token's KV heads together, two threads one KV head
+    each (the kernel splits by tokens only with two tokens or more per thread)."""
+    q, k, v, cache, md, _ = _batch([5, 40, 17], 16, 9, 3, 64, seed=5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        whole = _run(q, k, v, cache.clone(), md)
+        torch.set_num_threads(2)
+        per_head = _run(q, k, v, cache.clone(), md)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(whole, per_head)
+
+
 def test_slot_minus_one_writes_nothing_and_bad_lengths_raise():
     q, k, v, cache, md, _ = _batch([4, 6], 16, 4, 2, 32, seed=2)
     before = cache.clone()

@@ -148,6 +148,28 @@ def test_float_results_do_not_depend_on_the_thread_split():
         torch.set_num_threads(before)
 
 
+def test_one_row_gives_the_bits_it_has_in_a_batch_over_every_unit_width():
+    """One row reads the weights in units of six vectors (no lines asked for ahead), a batch in
+    tiles of two: output counts from one block to past two units, padded blocks among them."""
+    gen = _gen(14)
+    for n in [*range(16, 16 * 14, 16), 40, 1300]:
+        w, b = torch.randn(n, 64, generator=gen), torch.randn(n, generator=gen)
+        packed, x = cpu_linear.pack_f32(w), torch.randn(3, 64, generator=gen)
+        batch = cpu_linear.linear_f32(x, packed, b, n)
+        for i in range(3):
+            assert torch.equal(cpu_linear.linear_f32(x[i : i + 1], packed, b, n), batch[i : i + 1])
+
+
+def test_packed_float_weights_sit_on_huge_page_aligned_memory():
+    gen = _gen(15)
+    w = torch.randn(4096, 256, generator=gen)  # 4 MiB
+    packed = cpu_linear.pack_f32(w)
+    assert packed.data_ptr() % cpu_linear.HUGE_PAGE == 0
+    assert torch.equal(packed, cpu_linear._blocks(w))
+    small = torch.randn(16, 16, generator=gen)
+    assert torch.equal(cpu_linear.pack_f32(small), cpu_linear._blocks(small))
+
+
 @pytest.mark.parametrize(("march", "namespace"), [("x86-64-v3", "linear_avx2"),
                                                   ("x86-64", "linear_portable")])  # fmt: skip
 def test_other_instruction_sets_give_the_same_bits(march, namespace):
