@@ -41,6 +41,8 @@ from bench_model import RESULTS_DIR
 from report import save_figure, write_json
 from workloads import WORDS, parse_sizes, random_tokens
 
+MAX_RETRIES = 2  # the OpenAI SDK's default max_retries
+
 
 @dataclass
 class Turn:
@@ -55,6 +57,7 @@ class Turn:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    retries: int = 0
 
 
 def make_prompt(rng: random.Random, n: int, fmt: str) -> list[int] | str:
@@ -67,7 +70,10 @@ def make_prompt(rng: random.Random, n: int, fmt: str) -> list[int] | str:
 async def stream_completion(
     client: httpx.AsyncClient, model: str, turn: Turn, max_tokens: int
 ) -> None:
-    """POST one streamed completion; fills ``turn``'s timings, text and usage."""
+    """POST one streamed completion; fills ``turn``'s timings, text and usage. A connection the
+    server closed before answering (a pooled keep-alive connection it was dropping) is retried
+    on a fresh one, up to ``MAX_RETRIES`` times, as the OpenAI SDK retries connection errors;
+    the turn's time runs from the first try, and ``turn.retries`` counts them."""
     body = {
         "model": model,
         "prompt": turn.prompt,
@@ -78,6 +84,17 @@ async def stream_completion(
         "stream_options": {"include_usage": True},
     }
     turn.submit = time.perf_counter()
+    while True:
+        try:
+            await _stream_once(client, body, turn)
+            return
+        except httpx.RemoteProtocolError:
+            if turn.chunks or turn.retries == MAX_RETRIES:  # a reply had begun: not retried
+                raise
+            turn.retries += 1
+
+
+async def _stream_once(client: httpx.AsyncClient, body: dict, turn: Turn) -> None:
     async with client.stream("POST", "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
             turn.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
@@ -206,6 +223,7 @@ def summarize_load(run: dict) -> dict:
         "requests_ok": len(ok),
         "requests_failed": len(turns) - len(ok),
         "errors": sorted({t.error for t in turns if t.error})[:5],
+        "retries": sum(t.retries for t in turns),
         "wall_s": run["wall_s"],
         "requests_per_s": len(ok) / run["wall_s"],
         "output_tokens_per_s": out_tokens / run["wall_s"],

@@ -89,12 +89,14 @@ def http(argv: list[str]) -> dict:
     median = {s: {"wall_s": statistics.median(x["wall_s"] for x in v),
                   "output_tokens_per_s": statistics.median(x["output_tokens_per_s"] for x in v),
                   "ttft_p50_ms": statistics.median(x["ttft_ms"]["p50"] for x in v),
-                  "ttft_p90_ms": statistics.median(x["ttft_ms"]["p90"] for x in v)}
+                  "ttft_p90_ms": statistics.median(x["ttft_ms"]["p90"] for x in v),
+                  "retries": sum(x["retries"] for x in v)}
               for s, v in runs.items()}  # fmt: skip
     speedup = median["llama.cpp"]["wall_s"] / median["prefixserve"]["wall_s"]
     for system, m in median.items():
         print(f"{system:12s} wall {m['wall_s']:.1f} s, {m['output_tokens_per_s']:.1f} tok/s, "
-              f"TTFT p50 {m['ttft_p50_ms']:.0f} ms p90 {m['ttft_p90_ms']:.0f} ms")  # fmt: skip
+              f"TTFT p50 {m['ttft_p50_ms']:.0f} ms p90 {m['ttft_p90_ms']:.0f} ms, "
+              f"{m['retries']} requests retried")  # fmt: skip
     print(f"prefixserve speed-up over llama.cpp ({args.agents} agents x {args.turns} turns, "
           f"{args.pair}/{ftype}): {speedup:.2f}x")  # fmt: skip
     result = {"mode": "http", "pair": args.pair, "llama_cpp_type": ftype, "agents": args.agents,
