@@ -13,6 +13,7 @@ from fastapi.responses import StreamingResponse
 from prefixserve.api.frontend.auth import install_authentication
 from prefixserve.api.frontend.errors import ErrorShapes
 from prefixserve.api.frontend.tenancy import Tenants, tenant_of
+from tests.aio import run
 
 
 def app_and_senders() -> tuple[FastAPI, list[tuple[asyncio.Task, bytes]]]:
@@ -54,32 +55,28 @@ def app_and_senders() -> tuple[FastAPI, list[tuple[asyncio.Task, bytes]]]:
     return server_side, senders
 
 
-def test_keys_name_tenants_public_paths_are_open_and_a_bad_key_is_a_401():
+async def get(server, path: str, **headers: str) -> httpx.Response:
+    """``GET path`` from ``server`` in process (httpx's ASGI transport)."""
+    transport = httpx.ASGITransport(app=server)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        return await client.get(path, headers=headers)
+
+
+@run
+async def test_keys_name_tenants_public_paths_are_open_and_a_bad_key_is_a_401():
     server, _ = app_and_senders()
-
-    async def main():
-        transport = httpx.ASGITransport(app=server)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            ok = await client.get("/whoami", headers={"Authorization": "Bearer k1"})
-            bad = await client.get("/whoami", headers={"x-api-key": "nope"})
-            health = await client.get("/health")
-        return ok, bad, health
-
-    ok, bad, health = asyncio.run(main())
+    ok = await get(server, "/whoami", Authorization="Bearer k1")
+    bad = await get(server, "/whoami", **{"x-api-key": "nope"})
+    health = await get(server, "/health")
     assert ok.json() == {"tenant": "alice"}
     assert bad.status_code == 401 and "valid API key" in bad.json()["error"]["message"]
     assert health.json() == {"ok": True}
 
 
-def test_a_streamed_replys_chunks_reach_the_server_from_the_task_that_made_them():
+@run
+async def test_a_streamed_replys_chunks_reach_the_server_from_the_task_that_made_them():
     server, senders = app_and_senders()
-
-    async def main():
-        transport = httpx.ASGITransport(app=server)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            reply = await client.get("/stream", headers={"x-api-key": "k1"})
-        return reply.text
-
-    assert asyncio.run(main()) == "abc"
+    reply = await get(server, "/stream", **{"x-api-key": "k1"})
+    assert reply.text == "abc"
     assert [body for _, body in senders] == [b"a", b"b", b"c"]
     assert [task for task, _ in senders] == server.producers
