@@ -42,6 +42,7 @@ from peers.llama_server import (
     require_binary,
     running,
     server_env,
+    session,
     smollm2_gguf,
     stream_request,
 )
@@ -77,7 +78,7 @@ async def run_systems(bases: dict[str, str], warm: list[dict], asked: list[dict]
                       max_tokens: int) -> dict[str, list]:  # fmt: skip
     """Warm every system, then ask each question of every system in turn (interleaved, so load
     on the machine falls on all of them alike)."""
-    clients = {name: httpx.AsyncClient(base_url=base, timeout=600) for name, base in bases.items()}
+    clients = {name: session(base) for name, base in bases.items()}
     try:
         for turn in warm:
             for client in clients.values():
@@ -90,7 +91,7 @@ async def run_systems(bases: dict[str, str], warm: list[dict], asked: list[dict]
         return results
     finally:
         for client in clients.values():
-            await client.aclose()
+            await client.close()
 
 
 def _result(r, turn: dict) -> dict:

@@ -42,7 +42,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
 import torch
 import transformers
 from bench_model import machine, set_threads
@@ -195,7 +194,7 @@ def run_peer(extra: list[str], jobs: list[tuple[str, int]], max_tokens: int, thr
         parallel=max(s for _, s in jobs), ctx_per_slot=2048, extra=extra)  # fmt: skip
 
     async def batch(base: str, name: str, streams: int, tokens: int) -> list[peer.StreamResult]:
-        async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+        async with peer.session(base, streams) as client:
             bodies = [{"messages": workload(name, i), "max_tokens": tokens, "temperature": 0.0,
                        "stream": True, "stream_options": {"include_usage": True}}
                       for i in range(streams)]  # fmt: skip
@@ -245,7 +244,9 @@ def main() -> None:
         peers = PEER_SYSTEMS if "ngram" in peer_run else {"llama.cpp off": []}
     rounds = []
     for _ in range(args.repeats):  # prefixserve's systems, then the peer's, in every round
-        run = {name: run_system(model, spec, jobs, args.max_tokens) for name, spec in SYSTEMS.items()}
+        run = {
+            name: run_system(model, spec, jobs, args.max_tokens) for name, spec in SYSTEMS.items()
+        }
         for name, extra in peers.items():
             run[name] = run_peer(extra, jobs, args.max_tokens, args.threads)
         rounds.append(run)

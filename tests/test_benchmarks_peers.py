@@ -9,7 +9,6 @@ import stat
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.servers import server_process
@@ -56,7 +55,7 @@ def test_completion_body_asks_both_servers_for_exactly_max_tokens() -> None:
 
 def test_parse_sse_line() -> None:
     assert peer.parse_sse_line('data: {"a": 1}') == {"a": 1}
-    assert peer.parse_sse_line("data:{\"a\": 2}") == {"a": 2}
+    assert peer.parse_sse_line('data:{"a": 2}') == {"a": 2}
     assert peer.parse_sse_line("data: [DONE]") is None
     assert peer.parse_sse_line(": keep-alive") is None
     assert peer.parse_sse_line("") is None
@@ -176,7 +175,7 @@ def test_stream_request_against_prefixserve() -> None:
     with server_process() as (_, base):
 
         async def go() -> peer.StreamResult:
-            async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            async with peer.session(base) as client:
                 body = peer.completion_body([5, 6, 7, 8], 6, model="prefixserve/tiny-random")
                 return await peer.stream_request(client, "/v1/completions", body)
 
@@ -198,7 +197,7 @@ def test_llama_server_streams_exactly_max_tokens() -> None:
     with peer.running(cmd, port) as base:
 
         async def go() -> peer.StreamResult:
-            async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+            async with peer.session(base) as client:
                 body = peer.completion_body(decode.random_prompt("t", 8), 12)
                 return await peer.stream_request(client, "/v1/completions", body)
 

@@ -70,8 +70,7 @@ async def run_streams(
 ) -> dict:
     """``streams`` concurrent completions on one server: tokens/s (sum of per-stream decode
     rates), ms per step (median over streams), and every stream's token count."""
-    limits = httpx.Limits(max_connections=streams + 4)
-    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
+    async with peer.session(base, streams) as client:
         bodies = [peer.completion_body(random_prompt(f"{seed}/{i}", prompt_tokens), max_tokens)
                   for i in range(streams)]  # fmt: skip
         results = await asyncio.gather(
