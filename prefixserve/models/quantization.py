@@ -38,7 +38,6 @@ import torch
 
 from prefixserve.core.errors import InvalidArgumentError
 
-QUANTIZATION_METHODS = ("int8", "int4", "int4_sym")
 SYMMETRIC_INT4_ZERO = 8  # the code of 0 in ``int4_sym``
 GROUP_SIZE = 32
 
@@ -206,6 +205,7 @@ def quantize_int4_sym(w: torch.Tensor, group_size: int = GROUP_SIZE) -> Int4Weig
 
 
 _QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4, "int4_sym": quantize_int4_sym}
+QUANTIZATION_METHODS = tuple(_QUANTIZERS)
 
 
 def quantize(w: torch.Tensor, method: str) -> QuantizedWeight:
