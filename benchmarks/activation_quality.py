@@ -43,6 +43,7 @@ TEXT = Path(__file__).resolve().parent / "data" / "quality_text.txt"
 SCHEMES = {
     "int8": {"gguf_dequantize": True, "quantization": "int8"},
     "int4": {"gguf_dequantize": True, "quantization": "int4"},
+    "int4_sym": {"gguf_dequantize": True, "quantization": "int4_sym"},
     "gguf": {},
 }
 BLOCKS = (16, 32, 64, 192, None)  # None: one block per row

@@ -41,6 +41,7 @@ SCHEMES = {
     "float32": {"gguf_dequantize": True},
     "int8": {"gguf_dequantize": True, "quantization": "int8"},
     "int4": {"gguf_dequantize": True, "quantization": "int4"},
+    "int4_sym": {"gguf_dequantize": True, "quantization": "int4_sym"},
     "gguf": {},
 }
 

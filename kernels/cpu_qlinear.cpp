@@ -9,6 +9,11 @@
 //     y[m, n] = acc + bias[n]
 //     with S = sum_k code[n, k] q[m, k] and Q = sum_k q[m, k] over the group's 32 inputs
 //
+// int4 weights come with stored shifts (the asymmetric scheme, GGUF's Q4_1: 20 bytes a group) or
+// without (the scale-only scheme, Q4_0: 18 bytes a group), where shift = scale * -8 is computed
+// in registers: exact (a power of two times a float16), so the result is bit for bit that of the
+// same kernel given shifts = -8 * scales.
+//
 // S and Q are exact in int32 (|S| <= 32 * 127 * 255), and so is float(S) (< 2^24).
 // Weights, in blocks of 16 output rows ("lanes") whose 4-byte words each hold one lane's codes of
 // 4 (int8) or 8 (int4) consecutive inputs, the operand shape of the integer dot-product
@@ -16,7 +21,7 @@
 //
 //     int8  [NB, K/4, 16, 4] u8   word (j, lane): code + 128 of k = 4j .. 4j + 3
 //     int4  [NB, K/8, 16, 4] u8   byte i of word (j, lane): low nibble k = 8j + i, high 8j + 4 + i
-//     scale, shift [NB, K/32, 16] float16
+//     scale, shift [NB, K/32, 16] float16 (shift: int4 with stored shifts only)
 //
 // Invariant (exactness): the integer sums are exact whatever instructions compute them (AVX-512
 // VNNI, AVX2, the portable loop), and every float operation above is one rounding in the order
@@ -125,21 +130,16 @@ at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return out;
 }
 
-at::Tensor linear_w4a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
-                       const at::Tensor& shifts, const c10::optional<at::Tensor>& bias, int64_t n) {
-  check_common(x, w, x.size(1) / 8, scales, bias, n);
-  check_common(x, w, x.size(1) / 8, shifts, bias, n);
-  auto out = at::empty({x.size(0), n}, x.options());
-  const Problem p = problem(x, out, w, bias, n);
-  const Activations a = quantize_rows(x.data_ptr<float>(), p.M, p.K);
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const uint16_t *sp = halves(scales), *hp = halves(shifts);
-  const int64_t groups = a.groups, block_bytes = p.K / 2 * kLanes;
+// The int4 kernel, with shifts read from ``hp`` (kShifts) or computed as scale * -8.
+template <bool kShifts>
+void w4a8(const Problem& p, const Activations& a, const uint8_t* wp, const uint16_t* sp,
+          const uint16_t* hp) {
+  const int64_t groups = a.groups, block_bytes = p.K / 2 * kLanes, n = p.N;
   for_each_block(p, block_bytes, [&](int64_t b, int64_t m0, auto MT) {
     constexpr int kRows = decltype(MT)::value;
     const uint8_t* wb = wp + b * block_bytes;
     const uint16_t* sb = sp + b * groups * kLanes;
-    const uint16_t* hb = hp + b * groups * kLanes;
+    const uint16_t* hb = kShifts ? hp + b * groups * kLanes : nullptr;
     auto sums = [&](int64_t g, I32* s) {
       const uint8_t* wg = wb + g * kBlock / 2 * kLanes;
 #pragma GCC unroll 4
@@ -159,7 +159,12 @@ at::Tensor linear_w4a8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       }
     };
     auto fold = [&](int64_t g, const I32* s, F32* acc) {
-      const F32 scale = load_half(sb + g * kLanes), shift = load_half(hb + g * kLanes);
+      const F32 scale = load_half(sb + g * kLanes);
+      F32 shift;
+      if constexpr (kShifts)
+        shift = load_half(hb + g * kLanes);
+      else
+        shift = scale * bcast(-8.f);
 #pragma GCC unroll 8
       for (int i = 0; i < kRows; ++i) {
         const int64_t at = a.at(m0 + i, g);
@@ -169,6 +174,21 @@ at::Tensor linear_w4a8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     };
     tile<kRows>(groups, sums, fold, p.bias_of(b), p.out + m0 * n + b * kLanes, n, p.width(b));
   });
+}
+
+at::Tensor linear_w4a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& shifts,
+                       const c10::optional<at::Tensor>& bias, int64_t n) {
+  check_common(x, w, x.size(1) / 8, scales, bias, n);
+  if (shifts.has_value()) check_common(x, w, x.size(1) / 8, *shifts, bias, n);
+  auto out = at::empty({x.size(0), n}, x.options());
+  const Problem p = problem(x, out, w, bias, n);
+  const Activations a = quantize_rows(x.data_ptr<float>(), p.M, p.K);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  if (shifts.has_value())
+    w4a8<true>(p, a, wp, halves(scales), halves(*shifts));
+  else
+    w4a8<false>(p, a, wp, halves(scales), nullptr);
   return out;
 }
 
@@ -185,7 +205,7 @@ std::string qlinear_isa() { return kIsa; }
 TORCH_LIBRARY_FRAGMENT(QLINEAR_NAMESPACE, m) {
   m.def("linear_w8a8(Tensor x, Tensor w, Tensor scales, Tensor? bias, int n) -> Tensor");
   m.def(
-      "linear_w4a8(Tensor x, Tensor w, Tensor scales, Tensor shifts, Tensor? bias, int n) -> "
+      "linear_w4a8(Tensor x, Tensor w, Tensor scales, Tensor? shifts, Tensor? bias, int n) -> "
       "Tensor");
   m.def("qlinear_isa() -> str", &qlinear_isa);
 }

@@ -4,7 +4,7 @@ the arithmetic and the layouts; ``tests/qlinear_reference.py`` computes the same
 torch, which the kernels equal bit for bit.
 
 Both schemes keep what ``quantization.Int8Weight`` / ``Int4Weight`` hold (codes in groups of 32,
-float16 scales and shifts), reordered so that each 4-byte word holds one output row's codes of
+float16 scales, and shifts where an ``Int4Weight`` has them), reordered so that each 4-byte word holds one output row's codes of
 consecutive inputs; ``*_rows`` read rows of codes back (an embedding lookup).
 """
 
@@ -27,13 +27,15 @@ def pack_w8a8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def pack_w4a8(
-    codes: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    codes: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Codes ``[N, K]`` in [0, 15] and group-32 scales and shifts ``[N, K / 32]`` -> ``[NB, K / 8,
     16, 4]`` uint8 (byte i of word ``(j, lane)``: low nibble k = 8j + i, high 8j + 4 + i) and
-    float16 ``[NB, K / 32, 16]`` scales and shifts."""
+    float16 ``[NB, K / 32, 16]`` scales and shifts; shifts None (the scale-only scheme, shift
+    ``-8 * scale``) stays None."""
     half = torch.float16
-    return int4_words(codes), _blocks(scales.to(half)), _blocks(shifts.to(half))
+    packed_shifts = None if shifts is None else _blocks(shifts.to(half))
+    return int4_words(codes), _blocks(scales.to(half)), packed_shifts
 
 
 def int4_words(codes: torch.Tensor) -> torch.Tensor:
@@ -66,10 +68,11 @@ def linear_w4a8(
     x: torch.Tensor,
     codes: torch.Tensor,
     scales: torch.Tensor,
-    shifts: torch.Tensor,
+    shifts: torch.Tensor | None,
     bias: torch.Tensor | None,
     n: int,
 ) -> torch.Tensor:
+    """Shifts None: the scale-only scheme (shift ``-8 * scale``, computed by the kernel)."""
     return torch.ops.prefixserve_cpu.linear_w4a8(x, codes, scales, shifts, bias, n)
 
 

@@ -52,10 +52,11 @@ def linear_w4a8(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) 
     n = weight.shape[0]
     sums = _block_sums(codes, weight.qvalues.long().view(n, -1, BLOCK)).float()
     dsum = d * qsum.float()
+    shifts = weight.shift_values()  # the scale-only form: -8 * scales, exact
     parts = []
     for g in range(d.shape[1]):
         parts.append(sums[:, :, g] * (weight.scales[None, :, g] * d[:, g, None]))
-        parts.append(weight.shifts[None, :, g] * dsum[:, g, None])
+        parts.append(shifts[None, :, g] * dsum[:, g, None])
     return _finish(parts, bias, (x.shape[0], n))
 
 

@@ -41,7 +41,10 @@ def test_a_request_is_bit_identical_alone_and_in_any_batch(tmp_path, arch, enfor
         assert _probe(llm, _others(size, seed=size)) == alone, size
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+KERNEL_OF = {"int8": "PackedW8A8", "int4": "PackedW4A8", "int4_sym": "PackedW4A8"}
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4", "int4_sym"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_quantized_weights_on_int8_activations_are_batch_invariant(tmp_path, arch, quantization):
     """The integer kernels quantize each row on its own and sum in integers: a request's bits do
@@ -50,7 +53,7 @@ def test_quantized_weights_on_int8_activations_are_batch_invariant(tmp_path, arc
     llm = LLM(str(folder), enforce_eager=False, enable_prefix_caching=False,
               quantization=quantization, **ENGINE)  # fmt: skip
     kernels = {type(m).__name__ for m in llm.llm_engine.runner.model.modules()}
-    assert f"PackedW{quantization[-1]}A8" in kernels
+    assert KERNEL_OF[quantization] in kernels
     alone = _probe(llm, [])
     for size in (2, 5, 8):
         assert _probe(llm, _others(size, seed=size)) == alone, size

@@ -63,7 +63,10 @@ def test_greedy_with_caching_chunking_and_preemption_equals_eager(engines):
     assert stats.num_preemptions > 0 and stats.kv_cache["prefix_cache_hits"] > 0
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+KERNEL_OF = {"int8": "PackedW8A8", "int4": "PackedW4A8", "int4_sym": "PackedW4A8"}
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4", "int4_sym"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_quantized_weights_on_int8_activations_equal_eager(tmp_path, arch, quantization):
     """The integer kernels (activations quantized inside the op) in a compiled graph: the same
@@ -71,7 +74,7 @@ def test_quantized_weights_on_int8_activations_equal_eager(tmp_path, arch, quant
     folder = make_checkpoint(arch, tmp_path / arch, seed=4)
     compiled, eager = _pair(folder, quantization=quantization)
     kernels = {type(m).__name__ for m in compiled.llm_engine.runner.model.modules()}
-    assert {"PackedW8A8", f"PackedW{quantization[-1]}A8"} <= kernels
+    assert {"PackedW8A8", KERNEL_OF[quantization]} <= kernels
     params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2, ignore_eos=True)
     _assert_same(compiled, eager, _prompts(), params)
 

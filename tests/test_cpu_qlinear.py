@@ -11,7 +11,7 @@ import torch
 from qlinear_reference import linear_w4a8, linear_w8a8, quantize_activations
 
 from prefixserve.kernels import cpu_ops, cpu_qlinear
-from prefixserve.models.quantization import quantize_int4, quantize_int8
+from prefixserve.models.quantization import quantize, quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ toolchain")
 isa_ops = isa_builds.isa_ops  # the fixture: the kernels built for other instruction sets
@@ -20,6 +20,9 @@ isa_ops = isa_builds.isa_ops  # the fixture: the kernels built for other instruc
 # one group and of many (odd numbers of groups)
 SHAPES = [(1, 16, 32), (1, 17, 96), (3, 33, 64), (7, 41, 160), (8, 48, 32), (9, 5, 96),
           (13, 101, 224), (37, 64, 288)]  # fmt: skip
+
+
+SCHEMES = ["int8", "int4", "int4_sym"]  # int4_sym: the W4A8 kernel without shifts
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -42,12 +45,12 @@ def _case(scheme: str, m: int, n: int, k: int, bias: bool, seed: int):
     x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
     x[:, :BLOCK_OF_ZEROS] = 0  # an all-zero block: scale 0, codes 0
     w = torch.randn(n, k, generator=gen)
-    q = quantize_int8(w) if scheme == "int8" else quantize_int4(w)
+    q = quantize(w, scheme)
     b = torch.randn(n, generator=gen) if bias else None
     return x, q, b
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernels_equal_their_torch_reference_bit_for_bit(scheme, m, n, k, bias):
@@ -58,7 +61,20 @@ def test_kernels_equal_their_torch_reference_bit_for_bit(scheme, m, n, k, bias):
     assert torch.equal(y, reference(x, q, b))
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_without_shifts_the_kernel_equals_itself_given_shifts_of_minus_8_scales(m, n, k):
+    """The scale-only form computes ``shift = -8 * scale`` in registers: exact, so the same bits
+    as the stored shifts ``-8 * scales`` (float16, exact too) give."""
+    x, q, b = _case("int4_sym", m, n, k, True, seed=m + n + k)
+    assert q.shifts is None
+    codes, scales, none = cpu_qlinear.pack_w4a8(q.qvalues, q.scales, None)
+    _, _, shifts = cpu_qlinear.pack_w4a8(q.qvalues, q.scales, -8 * q.scales)
+    assert none is None and torch.equal(shifts.float(), -8 * scales.float())
+    y = cpu_qlinear.linear_w4a8(x, codes, scales, None, b, n)
+    assert torch.equal(y, cpu_qlinear.linear_w4a8(x, codes, scales, shifts, b, n))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("m", [2, 8, 9, 17, 40])
 def test_a_row_is_bit_identical_alone_and_in_any_batch(scheme, m):
     x, q, b = _case(scheme, m, 37, 96, True, seed=m)
@@ -69,7 +85,7 @@ def test_a_row_is_bit_identical_alone_and_in_any_batch(scheme, m):
     assert torch.equal(_kernel(scheme, x[shuffled], q, b), batch[shuffled])
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", SCHEMES)
 def test_the_thread_split_does_not_change_a_bit(scheme):
     x, q, b = _case(scheme, 11, 700, 128, True, seed=5)
     threads = torch.get_num_threads()
@@ -81,7 +97,7 @@ def test_the_thread_split_does_not_change_a_bit(scheme):
     assert torch.equal(one, _kernel(scheme, x, q, b))
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", SCHEMES)
 def test_the_result_is_close_to_float_activations(scheme):
     """The integer path is the float product of the dequantized weights and the rounded
     activations: within a few activation steps of the exact product."""
@@ -91,7 +107,7 @@ def test_the_result_is_close_to_float_activations(scheme):
     assert 0 < err < 0.02 * exact.abs().max()
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", SCHEMES)
 def test_no_rows_give_an_empty_result(scheme):
     _, q, b = _case(scheme, 1, 40, 64, True, seed=3)
     assert _kernel(scheme, torch.empty(0, 64), q, b).shape == (0, 40)
@@ -126,15 +142,16 @@ def test_bad_inputs_raise():
         cpu_qlinear.linear_w8a8(torch.randn(2, 48), codes, scales, None, 16)
 
 
-def test_the_ops_trace_in_torch_compile():
-    q = quantize_int4(torch.randn(32, 64, generator=_gen(1)))
+@pytest.mark.parametrize("scheme", ["int4", "int4_sym"])  # with shifts and without
+def test_the_ops_trace_in_torch_compile(scheme):
+    q = quantize(torch.randn(32, 64, generator=_gen(1)), scheme)
     packed = cpu_qlinear.pack_w4a8(q.qvalues, q.scales, q.shifts)
     fn = torch.compile(lambda x: cpu_qlinear.linear_w4a8(x, *packed, None, 32) * 2, fullgraph=True)
     x = torch.randn(3, 64, generator=_gen(2))
     assert torch.equal(fn(x), 2 * cpu_qlinear.linear_w4a8(x, *packed, None, 32))
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 17, 96), (9, 41, 160), (13, 101, 224)])
 def test_every_instruction_set_gives_the_reference_bits(isa_ops, scheme, m, n, k):
     """AVX2 (maddubs) and the portable loop compute what the native build (VNNI here) does."""

@@ -96,10 +96,10 @@ def test_kept_types_map_to_their_schemes_with_the_files_values(files):
     for name, _ in ckpt.weights():
         if name in ckpt.prequantized:  # Q4_0, Q4_1, Q8_0: the file's values exactly
             torch.testing.assert_close(ckpt.prequantized[name].dequantize(), hf[name], atol=0, rtol=0)  # fmt: skip
-    kinds = {n.split(".")[-2]: type(w).__name__ for n, w in ckpt.prequantized.items()}
-    assert kinds == {
-        "q_proj": "Int4Weight", "k_proj": "Int4Weight", "v_proj": "Int4Weight",
-        "gate_proj": "Int4Weight", "up_proj": "Int4Weight", "down_proj": "Int8Weight",
+    kinds = {n.split(".")[-2]: scheme_of(w) for n, w in ckpt.prequantized.items()}
+    assert kinds == {  # Q4_0 scale-only, its 18 bytes a block kept; Q4_1 with its mins
+        "q_proj": "int4_sym", "k_proj": "int4_sym", "v_proj": "int4_sym",
+        "gate_proj": "int4", "up_proj": "int4", "down_proj": "int8",
     }  # fmt: skip
 
 
@@ -121,6 +121,8 @@ def test_kept_quantized_gguf_on_int8_activations(files):
     llm = LLM(str(files["mixed"]), num_kv_blocks=32)
     layer = llm.llm_engine.runner.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj.kernel, PackedW4A8)
+    assert layer.self_attn.qkv_proj.kernel.shifts is None  # Q4_0: scales only
+    assert layer.mlp.gate_up_proj.kernel.shifts is not None  # Q4_1: its mins
     assert isinstance(layer.mlp.down_proj.kernel, PackedW8A8)
     hf = _hf_gguf(files["mixed"])
     rounded = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj")  # not F32 o_proj

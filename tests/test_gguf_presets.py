@@ -1,6 +1,7 @@
 """llama-quantize's common presets of SmolLM2-135M-Instruct (Q4_K_M: Q5_0, Q4_K, Q6_K, Q8_0;
-Q5_K_M: Q5_1, Q5_K, Q6_K, Q8_0), kept as the file holds them: on float activations the greedy
-tokens of ``--gguf-dequantize``, and resident weight bytes within 1.15x of the file's size.
+Q5_K_M: Q5_1, Q5_K, Q6_K, Q8_0; Q4_0: Q4_0 layers beside a Q8_0 vocabulary), kept as the file
+holds them: on float activations the greedy tokens of ``--gguf-dequantize``, and resident weight
+bytes within 1.15x of the file's size (Q4_0 on int8 activations: the file's tensor bytes).
 
 The files are made once by ``llama-quantize`` from the shipped Q4_1 file and cached
 (``benchmarks/peers/llama_server.gguf_of_type``); the tests skip where llama-quantize is not
@@ -14,7 +15,14 @@ from pathlib import Path
 import pytest
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.models.linear import PackedBlock, PackedInt8, PackedW8A8, Stacked
+from prefixserve.models.linear import (
+    PackedBlock,
+    PackedInt4,
+    PackedInt8,
+    PackedW4A8,
+    PackedW8A8,
+    Stacked,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from peers import llama_server as peer
@@ -62,3 +70,25 @@ def test_a_preset_file_is_kept_whole(preset, activations):
     if activations is None:  # the float-activation path multiplies by exactly the file's values
         reference = LLM(str(preset), num_kv_blocks=64, gguf_dequantize=True)
         assert _tokens(kept) == _tokens(reference)
+
+
+@pytest.mark.slow
+def test_a_q4_0_file_is_kept_whole_at_its_own_bytes():
+    """Q4_0 is kept scale-only (``int4_sym``): on int8 activations the model holds the file's
+    18 bytes per 32 weights and nothing more; on float activations (which materialize the shifts)
+    it decodes the tokens of ``--gguf-dequantize``."""
+    try:
+        path = peer.gguf_of_type(peer.smollm2_gguf(), "Q4_0")
+    except peer.PeerUnavailable as e:
+        pytest.skip(f"cannot make a Q4_0 file: {e}")
+    kept = LLM(str(path), num_kv_blocks=64)
+    layers = kept.llm_engine.runner.model.model.layers
+    kernels = [k for layer in layers for k in (layer.self_attn.qkv_proj.kernel,
+                                               layer.mlp.down_proj.kernel)]  # fmt: skip
+    assert all(isinstance(k, PackedW4A8) and k.shifts is None for k in kernels)
+    assert abs(resident_bytes(kept) / peer.gguf_tensor_bytes(path) - 1) < 0.01
+    on_float = LLM(str(path), num_kv_blocks=64, activation_quantization=None)
+    down = on_float.llm_engine.runner.model.model.layers[0].mlp.down_proj
+    assert isinstance(down.kernel, PackedInt4)
+    reference = LLM(str(path), num_kv_blocks=64, gguf_dequantize=True)
+    assert _tokens(on_float) == _tokens(reference)

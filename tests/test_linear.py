@@ -17,6 +17,8 @@ from prefixserve.models.linear import (
     PackedFloat,
     PackedInt4,
     PackedInt8,
+    PackedW4A8,
+    PackedW8A8,
     Portable,
     Stacked,
     finalize_linears,
@@ -32,14 +34,15 @@ def _w(n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 
 @needs_kernels
-@pytest.mark.parametrize("scheme", [None, "int8", "int4"])
+@pytest.mark.parametrize("scheme", [None, "int8", "int4", "int4_sym"])
 def test_cpu_float32_weights_take_the_packed_kernels(scheme):
     w = _w(48, 64)
     kernel = make_kernel(w if scheme is None else quantize(w, scheme), torch.float32)
-    assert type(kernel) is {None: PackedFloat, "int8": PackedInt8, "int4": PackedInt4}[scheme]
+    kinds = {None: PackedFloat, "int8": PackedInt8, "int4": PackedInt4, "int4_sym": PackedInt4}
+    assert type(kernel) is kinds[scheme]
 
 
-@pytest.mark.parametrize("scheme", [None, "int8", "int4"])
+@pytest.mark.parametrize("scheme", [None, "int8", "int4", "int4_sym"])
 def test_other_dtypes_take_torch_kernels(scheme):
     w = _w(48, 64).bfloat16()
     held = w if scheme is None else quantize(w.float(), scheme)
@@ -54,7 +57,7 @@ def _kernels(w: torch.Tensor, scheme: str | None):
     return kernels, reference
 
 
-@pytest.mark.parametrize("scheme", [None, "int8", "int4"])
+@pytest.mark.parametrize("scheme", [None, "int8", "int4", "int4_sym"])
 def test_every_kernel_multiplies_and_reads_rows_as_its_weight(scheme):
     w, b = _w(40, 64, 1), torch.randn(40)
     kernels, reference = _kernels(w, scheme)
@@ -63,6 +66,20 @@ def test_every_kernel_multiplies_and_reads_rows_as_its_weight(scheme):
     for kernel in kernels:
         torch.testing.assert_close(kernel(x, b), F.linear(x, reference, b), atol=1e-4, rtol=1e-4)
         assert torch.equal(kernel.rows(index), reference[index])
+
+
+@needs_kernels
+@pytest.mark.parametrize("scheme", ["int8", "int4", "int4_sym"])
+def test_int8_activation_kernels_read_rows_as_their_weight(scheme):
+    """``PackedW8A8`` / ``PackedW4A8`` (the vocabulary's embedding rows); ``int4_sym`` holds no
+    shifts and reads its rows as ``(q - 8) * scale``."""
+    held = quantize(_w(40, 64, 2), scheme)
+    kernel = make_kernel(held, torch.float32, activations="int8")
+    assert type(kernel) is (PackedW8A8 if scheme == "int8" else PackedW4A8)
+    if scheme != "int8":
+        assert (kernel.shifts is None) == (scheme == "int4_sym")
+    index = torch.tensor([[0, 39], [17, 16]])
+    assert torch.equal(kernel.rows(index), held.dequantize()[index])
 
 
 def test_a_stacked_kernel_is_its_parts_side_by_side():
@@ -146,6 +163,21 @@ def test_finalize_keeps_prequantized_parts_unless_another_scheme_is_asked():
     assert finalize_linears(_Toy(), "int4", pre, _Toy.source_names)["layers.0.qkv_proj"] == "int4"
     done = finalize_linears(_Toy(), "int8", pre, _Toy.source_names)  # re-quantized from float
     assert done["layers.0.qkv_proj"] == "int8" and done["layers.1.qkv_proj"] == "int8"
+
+
+def test_finalize_keeps_a_scale_only_file_for_int4_sym_and_requantizes_it_for_int4():
+    parts = [quantize(_w(16, 64, s), "int4_sym") for s in range(3)]
+    pre = {f"layers.0.{p}.weight": q for p, q in zip(("q_proj", "k_proj", "v_proj"), parts)}
+    assert finalize_linears(_Toy(), None, pre, _Toy.source_names)["layers.0.qkv_proj"] == "int4_sym"
+    toy = _Toy()
+    assert finalize_linears(toy, "int4_sym", pre, toy.source_names) == {
+        "layers.0.qkv_proj": "int4_sym", "layers.1.qkv_proj": "int4_sym", "embed_tokens": "int8"
+    }  # fmt: skip
+    x = torch.randn(2, 64)
+    ref = x @ concat_rows(parts).dequantize().t()  # the file's parts, kept
+    torch.testing.assert_close(toy.layers[0]["qkv_proj"](x), ref, atol=1e-4, rtol=1e-4)
+    done = finalize_linears(_Toy(), "int4", pre, _Toy.source_names)  # another scheme: from float
+    assert done["layers.0.qkv_proj"] == "int4"
 
 
 def test_finalize_refuses_an_unknown_method():

@@ -32,6 +32,17 @@ def test_serve_takes_a_gguf_file_and_the_quantization_flags():
         build_parser().parse_args(["serve", "--quantization", "int3"])
 
 
+def test_int4_sym_is_a_scheme_of_the_cli_and_the_config():
+    kwargs = engine_kwargs(build_parser().parse_args(["serve", "m", "--quantization", "int4_sym"]))
+    assert kwargs["quantization"] == "int4_sym"
+    assert EngineConfig(quantization="int4_sym").quantization == "int4_sym"
+    for bad in ("int4sym", "INT4_SYM", "q4_0"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "m", "--quantization", bad])
+        with pytest.raises(InvalidArgumentError, match="quantization"):
+            EngineConfig(quantization=bad)
+
+
 def test_engine_config_refuses_an_unknown_scheme():
     with pytest.raises(InvalidArgumentError, match="quantization"):
         EngineConfig(quantization="fp8")
@@ -47,7 +58,7 @@ def tiny_gguf(tmp_path_factory):
 
 def test_quant_ppl_runs_every_scheme(tiny_gguf, tmp_path):
     result = quant_ppl.main(["--model", str(tiny_gguf), "--threads", "1", "--out-dir", str(tmp_path)])  # fmt: skip
-    assert set(result["perplexity"]) == {"float32", "int8", "int4", "gguf"}
+    assert set(result["perplexity"]) == {"float32", "int8", "int4", "int4_sym", "gguf"}
     assert result["change_vs_float32"]["float32"] == 0
     assert json.loads((tmp_path / "quant_ppl.json").read_text())["tokens"] == result["tokens"] > 100
     assert all(abs(c) < 0.05 for c in result["change_vs_float32"].values())

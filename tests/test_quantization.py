@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 schemes: the quantizers' round trips, their float16 parameters (so
+"""Weight-only int8 / int4 / int4_sym schemes: the quantizers' round trips, their float16 parameters (so
 ``dequantize`` is what the kernels multiply by), stacking and row selection."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from prefixserve.models.quantization import (
     concat_rows,
     quantize,
     quantize_int4,
+    quantize_int4_sym,
     quantize_int8,
     scheme_of,
 )
@@ -55,7 +56,41 @@ def test_int4_round_trip_is_within_half_a_step_per_group_and_exact_on_constants(
     assert ((deq - w).abs() <= steps / 2 + slack + 1e-6).all()
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_int4_sym_gives_the_largest_magnitude_code_0_and_keeps_no_shifts():
+    w = _w(16, 96)
+    w[1, :32] = 0  # an all-zero group: scale 0, code 8
+    w[4, 32] = 9.0  # a positive peak: negative scale, code 0 still
+    q = quantize_int4_sym(w)
+    assert q.shifts is None and scheme_of(q) == "int4_sym"
+    assert q.qvalues.dtype == torch.uint8 and int(q.qvalues.max()) <= 15
+    assert q.scales.shape == (16, 96 // GROUP_SIZE) and _is_float16(q.scales)
+    groups = w.view(16, 3, -1)
+    peak = groups.gather(-1, groups.abs().argmax(-1, keepdim=True))[..., 0]
+    assert torch.equal(q.scales, (peak / -8).half().float())
+    assert q.scales[1, 0] == 0 and (q.qvalues[1, :32] == 8).all()
+    assert q.scales[4, 1] < 0 and q.qvalues[4, 32] == 0
+    codes_at_peak = q.qvalues.view(16, 3, -1).gather(-1, groups.abs().argmax(-1, keepdim=True))
+    assert (codes_at_peak[peak != 0] == 0).all()
+    steps = q.scales.abs().repeat_interleave(GROUP_SIZE, dim=1)
+    # half a step, except at the far side of the peak (+8 steps clamped to +7: one step)
+    assert ((q.dequantize() - w).abs() <= steps + 1e-6).all()
+    inner = (q.qvalues > 0) & (q.qvalues < 15)
+    assert ((q.dequantize() - w).abs()[inner] <= steps[inner] / 2 + 1e-6).all()
+
+
+def test_the_scale_only_form_dequantizes_as_with_shifts_of_minus_8_scales():
+    """``q * scale + (-8 * scale)`` is exact, so ``(q - 8) * scale`` and the shifted form agree
+    bit for bit, and ``shift_values`` is ``-8 * scales``."""
+    q = quantize_int4_sym(_w(16, 64, 5))
+    shifted = Int4Weight(q.qvalues, q.scales, -8 * q.scales, q.group_size)
+    assert torch.equal(q.shift_values(), -8 * q.scales)
+    assert torch.equal(q.dequantize(), shifted.dequantize())
+    exact = (q.qvalues.double() - 8).view(16, 2, -1) * q.scales.double()[..., None]
+    assert torch.equal(q.dequantize().double(), exact.view(16, 64))
+    assert scheme_of(shifted) == "int4"
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "int4_sym"])
 def test_quantizers_need_whole_groups(method):
     with pytest.raises(InvalidArgumentError, match="divisible by 32"):
         quantize(_w(16, 40), method)
@@ -75,11 +110,15 @@ def test_concat_rows_stacks_one_scheme_only():
     i8 = concat_rows([quantize_int8(_w(8, 64, 3)), quantize_int8(_w(8, 64, 4))])
     assert isinstance(i8, Int8Weight) and i8.qweight.shape == (16, 64)
     assert scheme_of(i8) == "int8" and scheme_of(both) == "int4"
+    sym = concat_rows([quantize_int4_sym(_w(8, 64, 5)), quantize_int4_sym(_w(8, 64, 6))])
+    assert sym.shifts is None and sym.qvalues.shape == (16, 64) and scheme_of(sym) == "int4_sym"
+    assert concat_rows([a, quantize_int4_sym(_w(8, 64, 7))]) is None  # with and without shifts
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "int4_sym"])
 def test_index_rows_and_to_keep_values(method):
     w = quantize(_w(16, 64), method)
     perm = torch.randperm(16, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(w.index_rows(perm).dequantize(), w.dequantize()[perm])
-    assert isinstance(w.to("cpu"), Int4Weight if method == "int4" else Int8Weight)
+    assert isinstance(w.to("cpu"), Int8Weight if method == "int8" else Int4Weight)
+    assert scheme_of(w.to("cpu")) == scheme_of(w.index_rows(perm)) == method

@@ -26,6 +26,7 @@ SCHEMES = {
     "float32": {"gguf_dequantize": True},
     "int8": {"gguf_dequantize": True, "quantization": "int8"},
     "int4": {"gguf_dequantize": True, "quantization": "int4"},
+    "int4_sym": {"gguf_dequantize": True, "quantization": "int4_sym"},
     "gguf": {},  # the file's Q4_1 kept as int4, its Q8_0 vocabulary as int8
 }
 # variant -> LLM options

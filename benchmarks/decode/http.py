@@ -24,7 +24,11 @@ Pairs (prefixserve on the shipped Q4_1 file, with its options / llama-server on 
   float32  --gguf-dequantize                      / F32   the same weights (Q4_1 values)
   int8     --gguf-dequantize --quantization int8  / Q8_0  the same scheme class, group 32
   int4     --gguf-dequantize --quantization int4  / Q4_0  the same scheme class, group 32
+           (int4 keeps a scale and a shift per group, 5 bits a weight; Q4_0 a scale, 4.5)
+  int4_sym --gguf-dequantize --quantization int4_sym / Q4_0  the same scheme: a scale per group
+           of 32, value scale * (q - 8), chosen as llama-quantize does (4.5 bits a weight)
   gguf     (Q4_1 kept as int4 group 32)           / Q4_1  the same weights (the same file)
+  q4_0     the Q4_0 file made by llama-quantize, kept as int4_sym / Q4_0  the same file
   q4_k_m   the Q4_K_M file made by llama-quantize, kept / Q4_K_M  the same file (Q5_0, Q4_K,
            Q6_K and Q8_0 tensors, each in its own type on both sides)
 Both sides keep the tied embedding / lm_head in Q8_0 (int8 group 32) beside Q4 layers.
@@ -51,10 +55,13 @@ PAIRS = {
     "float32": (["--gguf-dequantize"], "F32", "same weights"),
     "int8": (["--gguf-dequantize", "--quantization", "int8"], "Q8_0", "same scheme class"),
     "int4": (["--gguf-dequantize", "--quantization", "int4"], "Q4_0", "same scheme class"),
+    "int4_sym": (["--gguf-dequantize", "--quantization", "int4_sym"], "Q4_0", "same scheme"),
     "gguf": ([], "Q4_1", "same weights"),
+    "q4_0": ([], "Q4_0", "same file"),
     "q4_k_m": ([], "Q4_K_M", "same file"),
 }
-SERVED = {"q4_k_m": "Q4_K_M"}  # pair -> the GGUF type prefixserve serves, where not the shipped
+# pair -> the GGUF type prefixserve serves, where not the shipped
+SERVED = {"q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}
 PHASES = ("schedule", "prepare", "forward", "sample", "output")
 ACTIVATIONS = {"int8": "int8", "none": None}  # --activation-quantization -> LLM's option
 

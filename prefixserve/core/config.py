@@ -12,7 +12,7 @@ from prefixserve.spec_decode.config import SpeculativeConfig
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _BACKENDS = ("auto", "cpu", "torch", "triton")
 _POLICIES = ("fcfs", "prefix")
-_QUANTIZATIONS = (None, "int8", "int4")
+_QUANTIZATIONS = (None, "int8", "int4", "int4_sym")
 _ACTIVATION_QUANTIZATIONS = ("int8", None)
 DEFAULT_CPU_KV_CACHE_GB = 1.0
 DEFAULT_KV_CACHE_DIR_GB = 16.0
@@ -48,9 +48,9 @@ class EngineConfig:
     reduction order for every batch shape (CPU, float32, the cpu backend): a request's tokens
     and logprobs are bit-identical alone or in any batch, under any chunking of its prompt,
     compiled or not.
-    ``quantization`` (int8 / int4): weight-only quantization of the decoder's linear layers
+    ``quantization`` (int8 / int4 / int4_sym): weight-only quantization of the decoder's linear layers
     (``prefixserve.models.quantization``). ``activation_quantization``: how the CPU kernels multiply
-    int8 / int4 weights (``--quantization`` or a GGUF file's): ``"int8"`` (default) quantizes
+    quantized weights (``--quantization`` or a GGUF file's): ``"int8"`` (default) quantizes
     each activation row to int8 in blocks of 32 and sums each block in integers
     (``kernels/cpu_qlinear.cpp``); None keeps activations in float32 and multiplies by exactly
     the dequantized weights (``kernels/cpu_linear.cpp``). ``gguf_dequantize``: load a GGUF file's quantized

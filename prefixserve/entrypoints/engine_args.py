@@ -80,9 +80,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--quantization",
-        choices=["int8", "int4"],
+        choices=["int8", "int4", "int4_sym"],
         default=None,
-        help="weight-only quantization of the linear layers (int8 or int4, groups of 32)",
+        help="weight-only quantization of the linear layers, groups of 32: int8, int4 (a scale "
+        "and a shift per group, as GGUF's Q4_1) or int4_sym (a scale only, as Q4_0)",
     )
     p.add_argument(
         "--activation-quantization",

@@ -1,13 +1,15 @@
 """GGUF's block types read straight into prefixserve's schemes, keeping the file's codes and
-parameters exactly: Q8_0 as ``Int8Weight``, Q4_0 and Q4_1 as ``Int4Weight``, and Q5_0, Q5_1,
-Q4_K, Q5_K, Q6_K as ``BlockWeight`` (``quantization``'s formula; group ``s`` of 32 values).
+parameters exactly: Q8_0 as ``Int8Weight``, Q4_0 and Q4_1 as ``Int4Weight`` (Q4_0 without
+shifts), and Q5_0, Q5_1, Q4_K, Q5_K, Q6_K as ``BlockWeight`` (``quantization``'s formula;
+group ``s`` of 32 values).
 
 Byte layouts (ggml, little-endian, one row = consecutive blocks), and what each is kept as:
 
 - Q8_0, 34 bytes / 32 values: f16 ``d``, 32 int8 codes; value ``d * q``. int8, scale ``d``.
-- Q4_0, 18 bytes / 32 values: f16 ``d``, 16 bytes of codes; value ``d * q - 8 d``. int4,
-  scale ``d``, shift ``-8 d`` (exact: a power of two times a float16).
+- Q4_0, 18 bytes / 32 values: f16 ``d``, 16 bytes of codes; value ``d * (q - 8)``. int4 in
+  the scale-only form (``int4_sym``): scale ``d``, no shifts.
 - Q4_1, 20 bytes / 32 values: f16 ``d``, f16 ``m``, 16 bytes of codes; value ``d * q + m``.
+  int4: scale ``d``, shift ``m``.
 - Q5_0, 22 bytes / 32 values: f16 ``d``, 4 bytes of high bits (bit ``j`` of the little-endian
   word: value ``j``), 16 bytes of low nibbles; value ``d * (q - 16)``. Offset 16.
 - Q5_1, 24 bytes / 32 values: f16 ``d``, f16 ``m``, high bits, low nibbles; ``d * q + m``.
@@ -78,13 +80,14 @@ def read_int4(kind: str, data: np.ndarray) -> Int4Weight:
     if kind == "Q4_0":
         blocks = data.reshape(rows, -1, 18)
         d, codes = _f16(blocks[..., 0:2]), blocks[..., 2:]
-        m = -8 * d
+        shifts = None
     else:
         assert kind == "Q4_1", kind
         blocks = data.reshape(rows, -1, 20)
         d, m, codes = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4]), blocks[..., 4:]
+        shifts = _params(m, rows)
     q = _t(_nibbles_32(codes), rows, np.uint8)
-    return Int4Weight(q, _params(d, rows), _params(m, rows), 32)
+    return Int4Weight(q, _params(d, rows), shifts, 32)
 
 
 def read_block(kind: str, data: np.ndarray) -> BlockWeight:

@@ -13,7 +13,8 @@ quantized, in the closest scheme of ``prefixserve.models.quantization`` (unless 
 GGUF type                     kept as (``gguf_blocks``), the file's values exactly
 ============================  ==============================================================
 Q8_0                          int8, group 32: the file's codes and scales
-Q4_0, Q4_1                    int4, group 32: the file's codes, scales and mins
+Q4_0                          int4_sym, group 32: the file's codes and scales
+Q4_1                          int4, group 32: the file's codes, scales and mins
 Q5_0, Q5_1, Q4_K, Q5_K, Q6_K  ``BlockWeight`` of that type: the file's codes, super-block
                               scales, 6- or 8-bit sub-block scales and mins
 F32, F16, BF16, other types   dequantized to the model dtype

@@ -8,8 +8,9 @@ float weight wherever the kernel keeps its own form, so memory holds each matrix
 
     device          weights                 kernel          holds
     cpu (float32)   float                   PackedFloat     [N/16, K, 16] float32
-    cpu (float32)   int8 / int4, int8 acts  PackedW8A8/W4A8 codes, float16 group scales (shifts)
-    cpu (float32)   int8 / int4, float acts PackedInt8/4    codes, float16 group scales (shifts)
+    cpu (float32)   int8 / int4, int8 acts  PackedW8A8/W4A8 codes, float16 group scales (shifts,
+                                                            none for int4_sym)
+    cpu (float32)   int8 / int4, float acts PackedInt8/4    codes, float16 group scales, shifts
     cuda            float                   Dense           the weight (F.linear)
     cuda            int4                    TritonInt4      codes [N, K/2], scales, shifts
     elsewhere       int8 / int4             Portable        the codes, dequantized at each call
@@ -24,7 +25,7 @@ for every row count: a row's result is bit-identical alone or in any batch. Wher
 built, CPU weights take the Dense and Portable kernels. Before ``finalize_linears`` a ``Linear``
 multiplies by its float weight (models built by hand in tests).
 
-Which matrices are quantized (``quantization`` int8 / int4): the decoder layers' linears in the
+Which matrices are quantized (``quantization`` int8 / int4 / int4_sym): the decoder layers' linears in the
 scheme (not an MoE router), and the vocabulary matrix (embedding and lm_head) in int8 under
 either scheme, as
 llama.cpp keeps GGUF's token embedding in Q8_0 beside Q4 layers; a GGUF file's own quantized
@@ -144,7 +145,9 @@ class PackedInt4(LinearKernel):
     def __init__(self, weight: Int4Weight) -> None:
         super().__init__(*weight.shape, torch.float32)
         self.group_size = weight.group_size
-        codes, scales, shifts = cpu_linear.pack_int4(weight.qvalues, weight.scales, weight.shifts)
+        codes, scales, shifts = cpu_linear.pack_int4(
+            weight.qvalues, weight.scales, weight.shift_values()
+        )
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
         self.register_buffer("shifts", shifts)
@@ -161,12 +164,6 @@ class PackedInt4(LinearKernel):
         scales = cpu_linear.block_rows(self.scales, index).float()[..., None]
         shifts = cpu_linear.block_rows(self.shifts, index).float()[..., None]
         return (codes.unflatten(-1, (-1, self.group_size)) * scales + shifts).flatten(-2)
-
-
-def _group_values(codes: torch.Tensor, scales: torch.Tensor, shifts=None) -> torch.Tensor:
-    """Codes ``[T, K]`` times their group's scale (plus shift), groups of ``K / scales.shape[-1]``."""
-    w = codes.float().unflatten(-1, (scales.shape[-1], -1)) * scales.float()[..., None]
-    return (w if shifts is None else w + shifts.float()[..., None]).flatten(-2)
 
 
 class PackedW8A8(LinearKernel):
@@ -188,13 +185,13 @@ class PackedW8A8(LinearKernel):
     def rows(self, index):
         flat = index.flatten()
         codes = cpu_qlinear.w8a8_rows(self.codes, flat)
-        values = _group_values(codes, cpu_linear.block_rows(self.scales, flat))
-        return values.view(*index.shape, -1)
+        weight = Int8Weight(codes, cpu_linear.block_rows(self.scales, flat).float())
+        return weight.dequantize().view(*index.shape, -1)
 
 
 class PackedW4A8(LinearKernel):
     """An ``Int4Weight`` (groups of 32) in ``cpu_qlinear``'s layout, multiplied on activations
-    quantized to int8 in blocks of 32."""
+    quantized to int8 in blocks of 32; the scale-only form holds no shifts (``shifts`` None)."""
 
     def __init__(self, weight: Int4Weight) -> None:
         super().__init__(*weight.shape, torch.float32)
@@ -212,8 +209,10 @@ class PackedW4A8(LinearKernel):
     def rows(self, index):
         flat = index.flatten()
         codes = cpu_qlinear.w4a8_rows(self.codes, flat)
-        scales, shifts = (cpu_linear.block_rows(t, flat) for t in (self.scales, self.shifts))
-        return _group_values(codes, scales, shifts).view(*index.shape, -1)
+        scales, shifts = (None if t is None else cpu_linear.block_rows(t, flat).float()
+                          for t in (self.scales, self.shifts))  # fmt: skip
+        weight = Int4Weight(codes, scales, shifts, cpu_qlinear.BLOCK)
+        return weight.dequantize().view(*index.shape, -1)
 
 
 class PackedBlock(LinearKernel):
@@ -287,7 +286,7 @@ class TritonInt4(LinearKernel):
         q = weight.qvalues
         self.register_buffer("codes", (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous())
         self.register_buffer("scales", weight.scales.to(dtype))
-        self.register_buffer("shifts", weight.shifts.to(dtype))
+        self.register_buffer("shifts", weight.shift_values().to(dtype))
 
     def forward(self, x, bias):
         from prefixserve.kernels.int4_matmul import int4_matmul

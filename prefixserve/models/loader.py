@@ -50,7 +50,7 @@ def load_model(
     """Build and load ``model`` (None: the built-in model); return (model, config, name).
 
     Once loaded every matrix gets its kernel (``LlamaForCausalLM.finalize``): ``quantization``
-    (int8 / int4) quantizes the decoder's linears (and the vocabulary in int8); a GGUF file keeps
+    (int8 / int4 / int4_sym) quantizes the decoder's linears (and the vocabulary in int8); a GGUF file keeps
     its quantized matrices in their closest scheme unless ``gguf_dequantize``; the CPU kernels
     multiply quantized matrices on int8 activations where ``activation_quantization`` is "int8"."""
     gguf = None

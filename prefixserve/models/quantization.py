@@ -1,12 +1,15 @@
-"""Weight-only quantization schemes, ``int8`` and ``int4``, and GGUF's other block types
-(``BlockWeight``): the quantized forms of a weight matrix and how a float matrix is quantized.
+"""Weight-only quantization schemes, ``int8``, ``int4`` and ``int4_sym``, and GGUF's other block
+types (``BlockWeight``): the quantized forms of a weight matrix and how a float matrix is
+quantized.
 
-Both schemes work in groups of ``GROUP_SIZE`` consecutive input columns of one output row, with
+The schemes work in groups of ``GROUP_SIZE`` consecutive input columns of one output row, with
 float16 parameters (GGUF's blocks in the same shape, ``gguf_blocks``):
 
 - ``int8``: symmetric, ``w[n, k] = q[n, k] * scale[n, g]``, ``q`` in [-127, 127] (GGUF's Q8_0).
 - ``int4``: asymmetric, ``w[n, k] = q[n, k] * scale[n, g] + shift[n, g]``, ``q`` in [0, 15]
-  (GGUF's Q4_0 and Q4_1).
+  (GGUF's Q4_1): 5 bits a weight.
+- ``int4_sym``: scale only, ``w[n, k] = scale[n, g] * (q[n, k] - 8)``, ``q`` in [0, 15]
+  (GGUF's Q4_0): 4.5 bits a weight. An ``Int4Weight`` without shifts.
 
 with ``g = k // group``. The parameters are float16 values kept as float32 tensors, so
 ``dequantize()`` is exactly the matrix the kernels multiply by (``prefixserve.models.linear``),
@@ -35,7 +38,7 @@ import torch
 
 from prefixserve.core.errors import InvalidArgumentError
 
-QUANTIZATION_METHODS = ("int8", "int4")
+SYMMETRIC_INT4_ZERO = 8  # the code of 0 in ``int4_sym``
 GROUP_SIZE = 32
 
 
@@ -93,16 +96,30 @@ class Int8Weight(_RowTensors):
 @dataclass(frozen=True)
 class Int4Weight(_RowTensors):
     """``qvalues`` uint8 ``[N, K]`` in [0, 15]; ``scales``, ``shifts`` ``[N, K / group]``
-    (float16 values, float32)."""
+    (float16 values, float32), or ``shifts`` None: the scale-only form (``int4_sym``), whose
+    shift is ``-8 * scale``.
+
+    Invariant: ``shift_values()`` of the scale-only form is exact (a float16 times a power of
+    two), and so is ``q * scale + shift`` there: ``q * scale`` and ``-8 * scale`` are exact in
+    float32 and their sum ``(q - 8) * scale`` is representable. So ``dequantize()``, every kernel
+    that adds a stored shift and every kernel that computes ``-8 * scale`` itself give the same
+    values, bit for bit.
+    """
 
     ROW_FIELDS: ClassVar = ("qvalues", "scales", "shifts")
     qvalues: torch.Tensor
     scales: torch.Tensor
-    shifts: torch.Tensor
+    shifts: torch.Tensor | None = None
     group_size: int = GROUP_SIZE
 
+    def shift_values(self) -> torch.Tensor:
+        """The shifts, stored or (scale-only form) ``-8 * scales``, for the paths that add one."""
+        if self.shifts is not None:
+            return self.shifts
+        return self.scales * -SYMMETRIC_INT4_ZERO
+
     def dequantize(self) -> torch.Tensor:
-        return _dequantize_groups(self.qvalues, self.scales, self.shifts, self.group_size)
+        return _dequantize_groups(self.qvalues, self.scales, self.shift_values(), self.group_size)
 
 
 @dataclass(frozen=True)
@@ -175,6 +192,22 @@ def quantize_int4(w: torch.Tensor, group_size: int = GROUP_SIZE) -> Int4Weight:
     return Int4Weight(q.view(w.shape), scales, shifts, group_size)
 
 
+def quantize_int4_sym(w: torch.Tensor, group_size: int = GROUP_SIZE) -> Int4Weight:
+    """Scale only per group, as llama.cpp's Q4_0: the value of largest magnitude ``v`` gets code 0
+    (``scale = v / -8`` in float16), the others ``round(w / scale) + 8`` clamped to [0, 15] (one
+    side reaches -8 steps, the other 7). An all-zero group gets scale 0 and code 8."""
+    g = _groups(w, group_size)
+    peak = g.gather(-1, g.abs().argmax(dim=-1, keepdim=True))[..., 0]
+    scales = _f16(peak / -SYMMETRIC_INT4_ZERO)
+    step = torch.where(scales != 0, scales, torch.ones_like(scales))
+    q = torch.round(g / step[..., None]) + SYMMETRIC_INT4_ZERO
+    return Int4Weight(q.clamp(0, 15).to(torch.uint8).view(w.shape), scales, None, group_size)
+
+
+_QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4, "int4_sym": quantize_int4_sym}
+QUANTIZATION_METHODS = tuple(_QUANTIZERS)
+
+
 def quantize(w: torch.Tensor, method: str) -> QuantizedWeight:
     if method not in QUANTIZATION_METHODS:
         raise InvalidArgumentError(
@@ -182,14 +215,17 @@ def quantize(w: torch.Tensor, method: str) -> QuantizedWeight:
             f"got {method!r}",
             param="quantization",
         )
-    return quantize_int8(w) if method == "int8" else quantize_int4(w)
+    return _QUANTIZERS[method](w)
 
 
 def scheme_of(weight: QuantizedWeight) -> str:
-    """``int8``, ``int4``, or a ``BlockWeight``'s GGUF type in lower case (``q6_k``)."""
+    """``int8``, ``int4``, ``int4_sym`` (an ``Int4Weight`` without shifts), or a
+    ``BlockWeight``'s GGUF type in lower case (``q6_k``)."""
     if isinstance(weight, BlockWeight):
         return weight.kind.lower()
-    return "int8" if isinstance(weight, Int8Weight) else "int4"
+    if isinstance(weight, Int8Weight):
+        return "int8"
+    return "int4" if weight.shifts is not None else "int4_sym"
 
 
 def concat_rows(parts: list[QuantizedWeight | None]) -> QuantizedWeight | None:
