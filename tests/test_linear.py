@@ -165,7 +165,7 @@ def test_finalize_keeps_prequantized_parts_unless_another_scheme_is_asked():
     assert done["layers.0.qkv_proj"] == "int8" and done["layers.1.qkv_proj"] == "int8"
 
 
-def test_finalize_keeps_a_scale_only_file_for_int4_sym_and_requantizes_it_for_int4():
+def test_finalize_keeps_a_scale_only_file_for_int4_sym_and_stores_its_shifts_for_int4():
     parts = [quantize(_w(16, 64, s), "int4_sym") for s in range(3)]
     pre = {f"layers.0.{p}.weight": q for p, q in zip(("q_proj", "k_proj", "v_proj"), parts)}
     assert finalize_linears(_Toy(), None, pre, _Toy.source_names)["layers.0.qkv_proj"] == "int4_sym"
@@ -176,8 +176,11 @@ def test_finalize_keeps_a_scale_only_file_for_int4_sym_and_requantizes_it_for_in
     x = torch.randn(2, 64)
     ref = x @ concat_rows(parts).dequantize().t()  # the file's parts, kept
     torch.testing.assert_close(toy.layers[0]["qkv_proj"](x), ref, atol=1e-4, rtol=1e-4)
-    done = finalize_linears(_Toy(), "int4", pre, _Toy.source_names)  # another scheme: from float
+    toy = _Toy()
+    done = finalize_linears(toy, "int4", pre, toy.source_names)  # the same values, shifts stored
     assert done["layers.0.qkv_proj"] == "int4"
+    torch.testing.assert_close(toy.layers[0]["qkv_proj"](x), ref, atol=1e-4, rtol=1e-4)
+    assert finalize_linears(_Toy(), "int8", pre, _Toy.source_names)["layers.0.qkv_proj"] == "int8"
 
 
 def test_finalize_refuses_an_unknown_method():

@@ -12,6 +12,7 @@ from prefixserve.models.quantization import (
     Int4Weight,
     Int8Weight,
     concat_rows,
+    in_scheme,
     quantize,
     quantize_int4,
     quantize_int4_sym,
@@ -88,6 +89,17 @@ def test_the_scale_only_form_dequantizes_as_with_shifts_of_minus_8_scales():
     exact = (q.qvalues.double() - 8).view(16, 2, -1) * q.scales.double()[..., None]
     assert torch.equal(q.dequantize().double(), exact.view(16, 64))
     assert scheme_of(shifted) == "int4"
+
+
+def test_in_scheme_changes_no_value_and_says_when_only_requantizing_would_do():
+    w = _w(16, 64, 6)
+    sym, asym, int8 = quantize_int4_sym(w), quantize_int4(w), quantize_int8(w)
+    assert in_scheme(sym, "int4_sym") is sym and in_scheme(int8, "int8") is int8
+    stored = in_scheme(sym, "int4")  # the scale-only form with its shifts written out
+    assert scheme_of(stored) == "int4" and torch.equal(stored.shifts, -8 * sym.scales)
+    assert torch.equal(stored.dequantize(), sym.dequantize())
+    assert in_scheme(asym, "int4_sym") is None and in_scheme(int8, "int4") is None
+    assert in_scheme(sym, "int8") is None
 
 
 @pytest.mark.parametrize("method", ["int8", "int4", "int4_sym"])

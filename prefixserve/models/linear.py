@@ -53,6 +53,7 @@ from prefixserve.models.quantization import (
     Int8Weight,
     QuantizedWeight,
     concat_rows,
+    in_scheme,
     quantize,
     scheme_of,
 )
@@ -406,7 +407,7 @@ def finalize_linears(
 
     ``prequantized`` maps Hugging Face weight names to quantized weights (a GGUF file's); a
     module whose parts (``source_names(module name)``) are all there, in one scheme, uses them
-    stacked unless ``method`` asks for another scheme. Other decoder-layer linears are quantized
+    stacked, in ``method``'s scheme where they convert to it exactly (``in_scheme``). Other decoder-layer linears are quantized
     by ``method``, the vocabulary matrix by ``VOCAB_SCHEME`` when ``method`` is set. Quantized
     matrices are multiplied on ``activations`` (``make_kernel``).
     """
@@ -426,10 +427,8 @@ def finalize_linears(
             done[name] = "+".join(scheme_of(p) for p in parts)
             module.set_kernel(Stacked(kernels))
             continue
-        if given is not None and scheme in (None, scheme_of(given)):
-            chosen = given
-        else:
-            chosen = _quantized(name, weight, scheme)
+        kept = given if given is None or scheme is None else in_scheme(given, scheme)
+        chosen = kept if kept is not None else _quantized(name, weight, scheme)
         if chosen is not None:
             done[name] = scheme_of(chosen)
             chosen = chosen.to(weight.device)

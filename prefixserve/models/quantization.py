@@ -218,6 +218,17 @@ def quantize(w: torch.Tensor, method: str) -> QuantizedWeight:
     return _QUANTIZERS[method](w)
 
 
+def in_scheme(weight: QuantizedWeight, scheme: str) -> QuantizedWeight | None:
+    """``weight`` in ``scheme`` with its values unchanged: itself where it is in ``scheme``; a
+    scale-only int4 as ``int4`` with its shifts stored (``shift_values()``: exact); None where
+    only re-quantizing would give ``scheme``."""
+    if scheme_of(weight) == scheme:
+        return weight
+    if scheme == "int4" and scheme_of(weight) == "int4_sym":
+        return replace(weight, shifts=weight.shift_values())
+    return None
+
+
 def scheme_of(weight: QuantizedWeight) -> str:
     """``int8``, ``int4``, ``int4_sym`` (an ``Int4Weight`` without shifts), or a
     ``BlockWeight``'s GGUF type in lower case (``q6_k``)."""
