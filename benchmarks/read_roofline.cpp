@@ -285,7 +285,10 @@ int main(int argc, char** argv) {
         }, fork);
   };
   streams(std::integral_constant<int, 1>{}, 0, false);
+  streams(std::integral_constant<int, 1>{}, 4096, false);
   streams(std::integral_constant<int, 2>{}, 0, false);
+  streams(std::integral_constant<int, 2>{}, 4096, false);
+  streams(std::integral_constant<int, 3>{}, 4096, false);
   streams(std::integral_constant<int, 6>{}, 0, false);
   streams(std::integral_constant<int, 6>{}, 0, true);
   streams(std::integral_constant<int, 6>{}, 1024, false);
