@@ -1,7 +1,8 @@
 """The CPU kernels written in C++ here (``cpu_linear.cpp``: linear layers on float activations;
 ``cpu_qlinear.cpp``: int8 / int4 linear layers on int8 activations; ``cpu_klinear.cpp``: GGUF's
 block types on int8 or float activations, both on ``cpu_qisa.h``; ``cpu_attention.cpp``: paged
-attention; ``cpu_norm.cpp``: RMSNorm and the residual add fused with it), registered as torch ops ``torch.ops.prefixserve_cpu.*``.
+attention; ``cpu_norm.cpp``: RMSNorm and the residual add fused with it; ``cpu_sampling.cpp``: the
+sampling step's finiteness check), registered as torch ops ``torch.ops.prefixserve_cpu.*``.
 
 ``available()`` builds them on first use with the machine's own compiler
 (``torch.utils.cpp_extension``: ``-O3 -march=native -ffp-contract=off``, OpenMP through the
@@ -32,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).resolve().parent
 _SOURCES = [_HERE / "cpu_linear.cpp", _HERE / "cpu_qlinear.cpp", _HERE / "cpu_klinear.cpp",
-            _HERE / "cpu_attention.cpp", _HERE / "cpu_norm.cpp"]  # fmt: skip
+            _HERE / "cpu_attention.cpp", _HERE / "cpu_norm.cpp",
+            _HERE / "cpu_sampling.cpp"]  # fmt: skip
 # part of the build's digest, not compiled alone
 HEADERS = [_HERE / "cpu_qisa.h", _HERE / "cpu_rows.h"]
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]

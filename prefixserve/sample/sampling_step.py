@@ -36,6 +36,7 @@ import torch
 from prefixserve.core.sampling_params import SamplingParams
 from prefixserve.core.scheduler_output import ScheduledSeq
 from prefixserve.core.sequence import Request, Sequence
+from prefixserve.kernels.cpu_sampling import finite_rows
 from prefixserve.sample import beam_search
 from prefixserve.sample.beam_search import BeamStep
 from prefixserve.sample.sampler import Sampler, SamplerOutput
@@ -124,13 +125,12 @@ class SamplingStep:
 
     @staticmethod
     def _drop_non_finite(rows: list[_Row], logits: torch.Tensor, result: SamplingResult):
-        """Rows whose logits hold NaN or inf fail their request instead of poisoning sampling.
-        Checked on each row's sum (one reduction, no [N, V] mask): NaN and inf carry into it, and
-        finite logits overflow it only near float32's limit, which fails the row too."""
-        finite = torch.isfinite(logits.sum(dim=-1))
-        if bool(finite.all()):
+        """Rows whose logits hold NaN or inf fail their request instead of poisoning sampling
+        (``finite_rows``: one read of each row)."""
+        finite = finite_rows(logits).tolist()
+        if all(finite):
             return rows
-        bad = set((~finite).nonzero().flatten().tolist())
+        bad = {i for i, ok in enumerate(finite) if not ok}
         failed = {sched.request.request_id: sched.request for sched, i, _, _ in rows if i in bad}
         result.failed.extend((r, "the model produced non-finite logits") for r in failed.values())
         return [row for row in rows if row[0].request.request_id not in failed]
